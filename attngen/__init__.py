@@ -1,0 +1,16 @@
+"""attngen: an autotuning generator of Triton attention kernels.
+
+    import attngen
+    out = attngen.attention(q, k, v, mask="causal")
+    out = attngen.attention(q, k, v, mask=attngen.mask("sliding_window", window=256) & attngen.mask("softcap", cap=50.0))
+"""
+
+__version__ = "0.1.0"
+
+from . import reference  # noqa: E402
+from .dispatch import attention, explain  # noqa: E402
+from .masks import Mask, mask, register_template_dir, templates  # noqa: E402
+from .render import TemplateError  # noqa: E402
+
+__all__ = ["attention", "explain", "mask", "Mask", "register_template_dir", "templates", "reference",
+           "TemplateError", "__version__"]

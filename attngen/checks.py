@@ -1,0 +1,85 @@
+"""Input checks shared by the kernels and the reference: clear errors instead of Triton tracebacks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def interpreter_on() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def check_qkv(q, k, v, *, kernel: bool) -> Shape:
+    """Check q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); `kernel`: the inputs go to a Triton kernel."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq_len, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+        if kernel and t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k and v must share one device")
+    batch, heads, q_len, head_dim = q.shape
+    _, kv_heads, kv_len, _ = k.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"head dims differ: q {head_dim}, k {k.shape[3]}, v {v.shape[3]}; "
+                         "attngen needs one head dim for q, k and v")
+    if v.shape[1] != kv_heads or v.shape[2] != kv_len:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; "
+                         "their heads and sequence lengths must match")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads, which is not a multiple of the {kv_heads} key/value heads")
+    if kv_len == 0:
+        raise ValueError("k and v have sequence length 0; there is nothing to attend to")
+    if kernel and head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {head_dim} is over the supported {MAX_HEAD_DIM}")
+    if kernel and head_dim < 1:
+        raise ValueError(f"head dim {head_dim} must be at least 1")
+    if kernel and q.device.type == "cpu" and not interpreter_on():
+        raise ValueError("q, k and v are CPU tensors; attngen kernels run on a CUDA device, or on the CPU under "
+                         "Triton's interpreter (set TRITON_INTERPRET=1)")
+    if kernel and q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q is on {q.device}; attngen kernels run on CUDA devices")
+    return Shape(batch, heads, kv_heads, q_len, kv_len, head_dim)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)

@@ -1,0 +1,96 @@
+"""Kernel configurations: the tunables of a kernel, their validity check, and the fallbacks.
+
+Tuned winners live in `tuned/` (the registry); search spaces in `search_spaces/`. The one table
+here, DEFAULTS, is what the dispatcher uses when nothing was tuned for a call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    warp_specialize: bool = False
+
+    def shared_memory(self, head_dim: int, elem_bytes: int) -> int:
+        """Estimated shared memory in bytes: the pipelined K and V tiles plus the Q tile."""
+        block_d = block_d_for(head_dim)
+        kv = 2 * self.block_n * block_d * elem_bytes * max(1, self.num_stages)
+        return kv + self.block_m * block_d * elem_bytes
+
+    def problems(self, head_dim: int, elem_bytes: int, smem_limit: int | None = None) -> list[str]:
+        """Why this config cannot run (empty when it can); checked before anything is compiled."""
+        out = []
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                out.append(f"{name}={value} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            out.append(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            out.append(f"num_stages={self.num_stages} must be >= 1")
+        if smem_limit is not None:
+            need = self.shared_memory(head_dim, elem_bytes)
+            if need > smem_limit:
+                out.append(f"needs about {need} bytes of shared memory, the device has {smem_limit}")
+        return out
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def block_d_for(head_dim: int) -> int:
+    """The head dimension padded to a power of two (and at least 16, the smallest tl.dot)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+# Fallback configs: architecture -> [(largest head dim, config)], first fit wins.
+# sm90 values: the best of a small sweep on an H200 (triton 3.6, see benchmarks/RESULTS.md).
+DEFAULTS: dict[str, list[tuple[int, KernelConfig]]] = {
+    "sm90": [
+        (64, KernelConfig(128, 128, 4, 3, use_tma=True)),
+        (128, KernelConfig(128, 64, 4, 2, use_tma=True)),
+        (256, KernelConfig(64, 64, 4, 2, use_tma=True)),
+    ],
+    "sm80": [
+        (64, KernelConfig(128, 64, 4, 3)),
+        (128, KernelConfig(128, 64, 8, 2)),
+        (256, KernelConfig(64, 32, 4, 2)),
+    ],
+    "generic": [
+        (128, KernelConfig(64, 64, 4, 2)),
+        (256, KernelConfig(32, 32, 4, 1)),
+    ],
+    # Triton's interpreter on the CPU: big tiles mean fewer (slow) Python-level steps
+    "interpreter": [
+        (256, KernelConfig(64, 32, 4, 1)),
+    ],
+}
+
+
+def arch_of(device) -> str:
+    """The DEFAULTS key for a device ("interpreter" for CPU tensors)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 9:
+        return "sm90"
+    if major >= 8:
+        return "sm80"
+    return "generic"
+
+
+def default_config(arch: str, head_dim: int) -> KernelConfig:
+    for max_d, config in DEFAULTS.get(arch, DEFAULTS["generic"]):
+        if head_dim <= max_d:
+            return config
+    raise ValueError(f"no default config for head dim {head_dim}")

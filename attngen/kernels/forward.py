@@ -1,0 +1,144 @@
+"""The forward attention kernel: rendering per mask variant, launch, autograd.
+
+Reading order: the kernel (rendered from templates/attention_fwd.py.jinja), the launcher,
+the autograd Function, then `attention_forward`, which the dispatcher calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .. import masks as masks_
+from ..checks import check_qkv, check_scale, interpreter_on
+from ..config import KernelConfig, block_d_for
+from ..render import load_module, render
+
+TEMPLATE = "attention_fwd.py.jinja"
+
+
+# ---------------------------------------------------------------------------------------
+# the kernel
+# ---------------------------------------------------------------------------------------
+def render_source(mask: masks_.Mask | None) -> str:
+    """The exact source of the forward kernel for `mask`'s variant."""
+    visible, mods = masks_.triton_sources(mask)
+    return render(TEMPLATE, variant=mask.variant if mask is not None else "none", visible=visible, mods=mods,
+                  params=masks_.kernel_params(mask), scalars=masks_.scalar_params(mask))
+
+
+_KERNELS: dict = {}
+
+
+def kernel_for(mask: masks_.Mask | None):
+    """The jitted kernel for `mask`'s variant: rendered and imported once per process."""
+    key = (None if mask is None else mask.key, interpreter_on())
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS[key] = load_module(render_source(mask)).attention_fwd
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+# the launcher
+# ---------------------------------------------------------------------------------------
+def tma_eligible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need a unit last stride and 16-byte aligned base and strides."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+_allocator_set = False
+
+
+def _ensure_allocator():
+    """In-kernel tensor descriptors need scratch memory from a Triton allocator."""
+    global _allocator_set
+    if not _allocator_set:
+        device = "cpu" if interpreter_on() else "cuda"
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        _allocator_set = True
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not (torch.backends.cuda.matmul.allow_tf32 and not interpreter_on()):
+        return "ieee"
+    return "tf32"  # fp16 / bf16 operands ignore it
+
+
+def launch(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, scale: float,
+           config: KernelConfig, use_tma: bool):
+    """Launch the kernel on checked inputs and preallocated outputs."""
+    kernel = kernel_for(bound.mask if bound is not None else None)
+    bm, bn = structure.block_size
+    if use_tma:
+        _ensure_allocator()
+    cnt, idx = structure.full_num, structure.full_idx
+
+    def strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch or head
+        return [0 if t.shape[i] == 1 else t.stride(i) for i in range(3)]
+
+    lse_arg = lse if lse is not None else out
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    grid = (math.ceil(shape.q_len / bm), shape.batch * shape.heads)
+    kernel[grid](
+        q, k, v, out, lse_arg,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides,
+        structure.full_num, structure.full_idx, structure.partial_num, structure.partial_idx,
+        *strides3(cnt), *strides3(idx),
+        shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale,
+        *(bound.kernel_args if bound is not None else ()),
+        HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
+        STORE_LSE=lse is not None, USE_TMA=use_tma, WARP_SPECIALIZE=config.warp_specialize,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, config: KernelConfig,
+                      out=None, lse=None):
+    """Run the forward kernel with an explicit config. Returns (output, lse or None).
+
+    `out` and `lse` may be given preallocated (tests poison them to catch unwritten elements).
+    """
+    shape = check_qkv(q, k, v, kernel=True)
+    scale = check_scale(scale, shape.head_dim)
+    mask = masks_.as_mask(mask)
+    problems = config.problems(shape.head_dim, q.element_size())
+    if problems:
+        raise ValueError(f"invalid kernel config {config}: {'; '.join(problems)}")
+    bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                        device=q.device)
+    structure = masks_.block_structure(mask, shape.q_len, shape.kv_len, (config.block_m, config.block_n),
+                                       batch=shape.batch, heads=shape.heads, device=q.device, bound=bound)
+    if out is None:
+        out = torch.empty_like(q)
+    if return_lse and lse is None:
+        lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device)
+    if not return_lse:
+        lse = None
+    use_tma = config.use_tma and tma_eligible(q, k, v)
+    if shape.q_len > 0:
+        launch(q, k, v, out, lse, bound, structure, shape, scale, config, use_tma)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------------------
+class AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, return_lse, config):
+        return attention_forward(q, k, v, mask, scale=scale, return_lse=return_lse, config=config)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("attngen has no backward kernel yet: attngen.attention is forward-only; "
+                                  "call it under torch.no_grad() or use SDPA for training")

@@ -1,0 +1,50 @@
+"""The definition of correct: attention in plain torch, exact in float64.
+
+Tests and the tuner's correctness gate call this module and nothing else. It materialises the
+(Sq, Sk) score matrix, so it is meant for checking, not for speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import masks as masks_
+from .checks import check_qkv, check_scale
+
+
+def attention(q, k, v, mask=None, *, scale=None, return_lse=False):
+    """Same signature as `attngen.attention`; computes in float64 and returns float64 tensors.
+
+    A row whose every key the mask hides gets output 0 and LSE -inf.
+    """
+    shape = check_qkv(q, k, v, kernel=False)
+    scale = check_scale(scale, shape.head_dim)
+    mask = masks_.as_mask(mask)
+    bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                        device=q.device)
+    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    if shape.group > 1:  # GQA: each key/value head serves `group` query heads
+        k64 = k64.repeat_interleave(shape.group, dim=1)
+        v64 = v64.repeat_interleave(shape.group, dim=1)
+    score = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    if bound is not None:
+        device = q.device
+        env = dict(b=torch.arange(shape.batch, device=device).view(-1, 1, 1, 1),
+                   h=torch.arange(shape.heads, device=device).view(1, -1, 1, 1),
+                   q_idx=torch.arange(shape.q_len, device=device).view(1, 1, -1, 1),
+                   kv_idx=torch.arange(shape.kv_len, device=device).view(1, 1, 1, -1),
+                   q_len=shape.q_len, kv_len=shape.kv_len, batch=shape.batch, heads=shape.heads)
+        if mask.mods:
+            score = masks_.apply_score_mods(bound, score, env)
+        if mask.tree is not None:
+            visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=device)
+            score = score.masked_fill(~visible.expand_as(score), float("-inf"))
+    row_max = score.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # empty rows
+    weights = torch.exp(score - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights, v64) / torch.where(total == 0, torch.ones_like(total), total)
+    if not return_lse:
+        return out
+    lse = (row_max + torch.log(total)).squeeze(-1)  # log(0) = -inf for empty rows
+    return out, lse

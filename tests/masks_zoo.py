@@ -1,0 +1,48 @@
+"""Every built-in mask and score modifier, alone and combined, as factories of one call's sizes."""
+
+import torch
+
+import attngen
+
+
+def doc_ids(batch, kv_len, device, generator=None):
+    """Sorted random document ids per batch row (packed sequences), with short and long documents."""
+    cuts = torch.rand(batch, kv_len, generator=generator) < 0.03
+    return cuts.cumsum(-1).to(device)
+
+
+def slopes(heads, device):
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+
+
+def _doc(b, h, sq, sk, dev):
+    return attngen.mask("document", doc_ids=doc_ids(b, sk, dev))
+
+
+def _alibi(b, h, sq, sk, dev):
+    return attngen.mask("alibi", slopes=slopes(h, dev))
+
+
+M = attngen.mask
+ZOO = {
+    "none": lambda b, h, sq, sk, dev: None,
+    "causal": lambda b, h, sq, sk, dev: "causal",
+    "causal_bottom_right": lambda b, h, sq, sk, dev: M("causal", align="bottom_right"),
+    "sliding_window": lambda b, h, sq, sk, dev: M("sliding_window", window=37),
+    "sliding_window_two_sided": lambda b, h, sq, sk, dev: M("sliding_window", window=20, two_sided=True),
+    "sliding_window_bottom_right": lambda b, h, sq, sk, dev: M("sliding_window", window=50, align="bottom_right"),
+    "prefix_lm": lambda b, h, sq, sk, dev: M("prefix_lm", prefix=23),
+    "document": _doc,
+    "document_1d": lambda b, h, sq, sk, dev: M("document", doc_ids=doc_ids(1, sk, dev)[0]),
+    "chunked": lambda b, h, sq, sk, dev: M("chunked", chunk=48),
+    "alibi": _alibi,
+    "softcap": lambda b, h, sq, sk, dev: M("softcap", cap=3.0),
+    # combinations
+    "causal&document": lambda b, h, sq, sk, dev: M("causal") & _doc(b, h, sq, sk, dev),
+    "sliding_window|prefix_lm": lambda b, h, sq, sk, dev: M("sliding_window", window=16) | M("prefix_lm", prefix=40),
+    "chunked&causal&softcap": lambda b, h, sq, sk, dev: M("chunked", chunk=64) & M("causal") & M("softcap", cap=2.0),
+    "causal&alibi": lambda b, h, sq, sk, dev: M("causal") & _alibi(b, h, sq, sk, dev),
+    "(causal|chunked)&document&alibi&softcap": lambda b, h, sq, sk, dev: (
+        (M("causal") | M("chunked", chunk=32)) & _doc(b, h, sq, sk, dev) & _alibi(b, h, sq, sk, dev)
+        & M("softcap", cap=4.0)),
+}

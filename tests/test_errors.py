@@ -1,0 +1,94 @@
+"""Bad input gives a clear ValueError / TypeError naming the argument, never a Triton traceback."""
+
+import pytest
+import torch
+
+import attngen
+from conftest import DEVICE
+
+
+def qkv(q_shape=(1, 4, 8, 16), k_shape=(1, 2, 8, 16), dtype=torch.float16, device=DEVICE):
+    return (torch.randn(*q_shape, device=device).to(dtype), torch.randn(*k_shape, device=device).to(dtype),
+            torch.randn(*k_shape, device=device).to(dtype))
+
+
+@pytest.mark.parametrize("args,kwargs,error,message", [
+    (qkv(q_shape=(4, 8, 16)), {}, ValueError, r"q must have 4 dimensions .* got shape \(4, 8, 16\)"),
+    (qkv(k_shape=(2, 2, 8, 16)), {}, ValueError, "batch sizes differ: q 1, k 2"),
+    (qkv(k_shape=(1, 2, 8, 32)), {}, ValueError, "head dims differ: q 16, k 32"),
+    (qkv(k_shape=(1, 3, 8, 16)), {}, ValueError, "q has 4 heads, which is not a multiple of the 3"),
+    (qkv(q_shape=(1, 2, 8, 300), k_shape=(1, 2, 8, 300)), {}, ValueError, "head dim 300 is over the supported 256"),
+    (qkv(dtype=torch.float64), {}, TypeError, "q has dtype torch.float64; supported: float16, bfloat16, float32"),
+    ((torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16)), {}, TypeError,
+     "k has dtype torch.float16 but q has torch.float32"),
+    (qkv(), {"mask": "no_such_mask"}, ValueError, r"unknown mask 'no_such_mask'; known: alibi, causal, chunked"),
+    (qkv(), {"mask": 3}, TypeError, "mask must be None, a mask name or an attngen mask object, got int"),
+    (qkv(), {"mask": "sliding_window"}, TypeError, r"mask 'sliding_window' is missing parameter 'window' \(window: int >= 1\)"),
+    (qkv(), {"scale": "big"}, TypeError, "scale must be a float or None, got str"),
+])
+def test_bad_input(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        attngen.attention(*args, **kwargs)
+
+
+def test_device_mismatch():
+    q, k, v = qkv(device="cpu")
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="k is on cuda:0 but q is on cpu"):
+            attngen.attention(q, k.cuda(), v)
+    else:
+        with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+            attngen.attention(q, k.to("meta"), v)
+
+
+def test_cpu_tensors_without_interpreter(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    with pytest.raises(ValueError, match="CPU tensors; attngen kernels run on a CUDA device.*TRITON_INTERPRET=1"):
+        attngen.attention(*qkv(device="cpu"))
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: attngen.mask("sliding_window", window="8"), TypeError,
+     "mask 'sliding_window' parameter 'window' must be an int, got str '8'"),
+    (lambda: attngen.mask("sliding_window", window=0), ValueError, "parameter 'window' must be >= 1, got 0"),
+    (lambda: attngen.mask("sliding_window", window=8, size=3), TypeError,
+     r"mask 'sliding_window' has no parameter 'size' \(parameters: window, two_sided, align\)"),
+    (lambda: attngen.mask("causal", align="middle"), ValueError,
+     "parameter 'align' must be one of 'top_left', 'bottom_right', got 'middle'"),
+    (lambda: attngen.mask("sliding_window", window=8, two_sided=1), TypeError, "'two_sided' must be a bool"),
+    (lambda: attngen.mask("softcap", cap=True), TypeError, "'cap' must be a float, got bool"),
+    (lambda: attngen.mask("document", doc_ids=[0, 1]), TypeError, r"'doc_ids' must be a torch.Tensor of shape \(batch, kv_len\)"),
+    (lambda: attngen.mask("document", doc_ids=torch.zeros(3, 2, 8, dtype=torch.int64)), ValueError,
+     r"'doc_ids' must have 2 dimension\(s\) \(batch, kv_len\), got shape \(3, 2, 8\)"),
+    (lambda: attngen.mask("document", doc_ids=torch.zeros(8)), TypeError, "'doc_ids' must be a int tensor, got torch.float32"),
+    (lambda: attngen.mask(5), TypeError, "mask name must be a str"),
+])
+def test_bad_mask_parameters(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_tensor_parameter_of_wrong_length():
+    q, k, v = qkv()
+    ids = torch.zeros(1, 9, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"'doc_ids': dimension 1 \(kv_len\) has size 9, expected 8"):
+        attngen.attention(q, k, v, mask=attngen.mask("document", doc_ids=ids))
+    slopes = torch.ones(3, device=DEVICE)
+    with pytest.raises(ValueError, match=r"'slopes': dimension 0 \(heads\) has size 3, expected 4 \(or 1\)"):
+        attngen.attention(q, k, v, mask=attngen.mask("alibi", slopes=slopes))
+    with pytest.raises(ValueError, match=r"'doc_ids' is on meta, but q is on"):
+        attngen.attention(q, k, v, mask=attngen.mask("document", doc_ids=torch.zeros(8, dtype=torch.int64, device="meta")))
+
+
+def test_register_template_dir_needs_a_folder(tmp_path):
+    with pytest.raises(ValueError, match="is not a directory"):
+        attngen.register_template_dir(tmp_path / "missing")
+
+
+def test_backward_is_a_clear_error():
+    q, k, v = (t.float().requires_grad_() for t in qkv())
+    out = attngen.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="no backward kernel yet"):
+        out.sum().backward()

@@ -1,0 +1,37 @@
+"""On a CUDA device: bf16 and realistic shapes for every mask (skipped without CUDA)."""
+
+import pytest
+import torch
+
+import attngen
+from attngen.kernels.forward import attention_forward
+from conftest import assert_close, poisoned_like, rand_qkv
+from masks_zoo import ZOO
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_realistic_shape(name, dtype):
+    """B=4, H=16 (GQA 4:1 for half the masks), S=4096, D=128, through the public API."""
+    batch, heads, seq, head_dim = 4, 16, 4096, 128
+    kv_heads = 4 if len(name) % 2 else heads
+    q, k, v = rand_qkv(batch, heads, kv_heads, seq, seq, head_dim, dtype, device="cuda")
+    mask = ZOO[name](batch, heads, seq, seq, "cuda")
+    out, lse = attngen.attention(q, k, v, mask=mask, return_lse=True)
+    ref, ref_lse = attngen.reference.attention(q, k, v, mask=mask, return_lse=True)
+    assert_close(out, ref, dtype, lse, ref_lse)
+    del ref, ref_lse
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 8192), (1000, 3000), (4097, 4097)])
+def test_bf16_ragged(q_len, kv_len):
+    q, k, v = rand_qkv(2, 8, 2, q_len, kv_len, 96, torch.bfloat16, device="cuda")
+    for mask in (None, "causal", attngen.mask("causal", align="bottom_right")):
+        out, lse = poisoned_like(q)
+        config = attngen.dispatch.choose(q, k, v, mask).config
+        attention_forward(q, k, v, mask, return_lse=True, config=config, out=out, lse=lse)
+        ref, ref_lse = attngen.reference.attention(q, k, v, mask, return_lse=True)
+        assert_close(out, ref, torch.bfloat16, lse, ref_lse)
