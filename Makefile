@@ -1,10 +1,13 @@
 # Two entry points on a fresh clone:
-#   make test   set up .venv (CPU torch, triton 3.6.0) and run the test suite under Triton's interpreter
+#   make tune   set up .venv and tune the dense and causal kernels on this machine's GPU (the main job);
+#               without a GPU it runs the same pipeline under Triton's interpreter on tiny shapes
+#   make test   set up .venv (CPU torch 2.13.0, triton 3.6.0) and run the test suite under the interpreter
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+TUNE_ARGS ?=
 
-.PHONY: test
+.PHONY: test tune
 
 $(BIN)/.ready: requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,3 +19,9 @@ $(BIN)/.ready: requirements-test.txt
 test: $(BIN)/.ready
 	$(BIN)/pip install -q --no-deps --force-reinstall .
 	cd tests && ATTNGEN_TEST_INSTALLED=1 ../$(BIN)/pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml $(PYTEST_ARGS)
+
+tune: $(BIN)/.ready
+	$(BIN)/pip install -q --no-deps --force-reinstall .
+	@if $(BIN)/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then interp=; \
+	else interp=--interpret; echo "make tune: no CUDA device, so the pipeline runs under Triton's interpreter"; fi; \
+	for mask in none causal; do $(BIN)/attngen tune $$interp --mask $$mask $(TUNE_ARGS) || exit 1; done

@@ -8,9 +8,9 @@
 __version__ = "0.1.0"
 
 from . import reference  # noqa: E402
-from .dispatch import attention, explain  # noqa: E402
+from .dispatch import attention, explain, use_registry  # noqa: E402
 from .masks import Mask, mask, register_template_dir, templates  # noqa: E402
 from .render import TemplateError  # noqa: E402
 
-__all__ = ["attention", "explain", "mask", "Mask", "register_template_dir", "templates", "reference",
+__all__ = ["attention", "explain", "use_registry", "mask", "Mask", "register_template_dir", "templates", "reference",
            "TemplateError", "__version__"]

@@ -69,7 +69,7 @@ def check_qkv(q, k, v, *, kernel: bool) -> Shape:
         raise ValueError(f"head dim {head_dim} must be at least 1")
     if kernel and q.device.type == "cpu" and not interpreter_on():
         raise ValueError("q, k and v are CPU tensors; attngen kernels run on a CUDA device, or on the CPU under "
-                         "Triton's interpreter (set TRITON_INTERPRET=1)")
+                         "Triton's interpreter (set TRITON_INTERPRET=1 before triton is imported)")
     if kernel and q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q is on {q.device}; attngen kernels run on CUDA devices")
     return Shape(batch, heads, kv_heads, q_len, kv_len, head_dim)
@@ -80,6 +80,6 @@ def check_scale(scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
     return float(scale)

@@ -36,6 +36,56 @@ def cmd_masks(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from . import tune
+
+    tune.fill_defaults(args)
+    return tune.main(args)
+
+
+def cmd_registry(args) -> int:
+    from . import dispatch, registry
+    from .checks import interpreter_on
+
+    if args.gpu:
+        gpu = args.gpu
+    elif torch_cuda_available() and not interpreter_on():
+        gpu = dispatch.gpu_of(__import__("torch").device("cuda"))
+    else:
+        gpu = registry.INTERPRETER
+    paths = dispatch.registry_paths()
+    reg = registry.Registry.load(paths, gpu)
+    if args.action == "list":
+        for path in paths:
+            file = path / f"{gpu}.yaml" if path.is_dir() else path
+            source = next((s for s in reg.sources if s.path == file), None)
+            count = f"{len(source.entries)} entries" if source else "no file"
+            print(f"{file}: {count}")
+        return 0
+    rows = [("source", "variant", "dir", "dtype", "D", "bucket", "group", "config", "ms", "TFLOP/s", "SDPA ms",
+             "speedup", "trials", "date")]
+    for path, e in reg.entries():
+        c = e.config
+        rows.append((str(path), e.key.variant, e.key.direction, e.key.dtype, e.key.head_dim, e.key.seq_bucket,
+                     e.key.group, f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
+                     f"{' tma' if c['use_tma'] else ''}{' ws' if c['warp_specialize'] else ''}",
+                     f"{e.ms:.4f}", f"{e.tflops:.1f}", f"{e.sdpa_ms:.4f}" if e.sdpa_ms else "n/a",
+                     f"{e.sdpa_ms / e.ms:.2f}x" if e.sdpa_ms else "n/a", e.trials, e.date))
+    if len(rows) == 1:
+        print(f"no registry entries for gpu {gpu!r} in {', '.join(map(str, paths))}")
+        return 0
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attngen", description="Generate, tune and run Triton attention kernels.",
@@ -54,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     masks = sub.add_parser("masks", help="list the mask and score templates with their parameters",
                            description="List every mask and score template attngen can see.")
     masks.set_defaults(run=cmd_masks)
+
+    from .tune import add_arguments
+
+    tune = sub.add_parser("tune", help="search kernel configs with Optuna on this GPU and record the winners",
+                          description="Tune the kernel for a mask over a matrix of dtypes, head dims and sequence "
+                                      "lengths (one Optuna study each, resumed when run again), then write the "
+                                      "winners to the registry and print a summary next to SDPA.")
+    add_arguments(tune)
+    tune.set_defaults(run=cmd_tune)
+
+    reg = sub.add_parser("registry", help="show the tuned registry the dispatcher reads",
+                         description="list: the registry files for a GPU and their entry counts; show: every entry "
+                                     "(user registry first, then the shipped one).")
+    reg.add_argument("action", choices=["list", "show"])
+    reg.add_argument("--gpu", help="GPU key, e.g. h200 (default: this machine's, or 'interpreter' without CUDA)")
+    reg.set_defaults(run=cmd_registry)
     return parser
 
 

@@ -1,15 +1,33 @@
-"""The public entry point: pick a kernel config for a call and run the forward kernel."""
+"""The runtime dispatcher: pick a kernel config for a call and run the forward kernel.
+
+Where a config comes from, in order:
+1. the registry of the current GPU (`tuned/<gpu>.yaml`): the user's registry first (or the one
+   chosen by `use_registry` / ATTNGEN_REGISTRY), then the one shipped with attngen; the exact
+   entry, else the nearest sequence bucket of the same variant, dtype, head dim and GQA group;
+2. the per-architecture fallback table in attngen/config.py.
+A short query (decoding) then gets a smaller BLOCK_M. The choice is cached per
+(device, variant, dtype, head dim, sequence bucket, group, query rows), so a new sequence length
+inside a bucket reuses the same compiled kernel.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from . import masks as masks_
-from .checks import check_qkv
-from .config import KernelConfig, arch_of, default_config
-from .kernels.forward import AttentionFunction, attention_forward
+from . import registry as registry_
+from .checks import check_qkv, check_scale
+from .config import DEFAULTS, KernelConfig, arch_of, default_config
+from .kernels.forward import AttentionFunction, forward
+
+log = logging.getLogger("attngen")
+REGISTRY_ENV = "ATTNGEN_REGISTRY"
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -18,28 +36,89 @@ class Choice:
     source: str  # where the config came from, in words
 
 
-def choose(q, k, v, mask=None) -> Choice:
-    """The config a call with these inputs would run, and why."""
-    shape = check_qkv(q, k, v, kernel=True)
-    arch = arch_of(q.device)
-    config = default_config(arch, shape.head_dim)
-    source = f"default config for {arch}, head dim <= {_bucket(arch, shape.head_dim)}"
-    # a short query (decoding) fills a smaller tile; never below tl.dot's 16 rows
+_override: Path | None = None
+_registries: dict[str, registry_.Registry] = {}
+_choices: dict[tuple, Choice] = {}
+_gpu_keys: dict[int, str] = {}
+
+
+def use_registry(path) -> None:
+    """Read tuned configs from `path` (a folder of <gpu>.yaml, or one file) instead of the user registry.
+
+    The registry shipped with attngen stays the fallback. `None` goes back to the default.
+    """
+    global _override
+    if path is not None:
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise ValueError(f"use_registry: {str(path)!r} does not exist")
+    _override = path
+    _registries.clear()
+    _choices.clear()
+
+
+def registry_paths() -> list[Path]:
+    """The registry sources in lookup order."""
+    first = _override or (Path(os.environ[REGISTRY_ENV]) if os.environ.get(REGISTRY_ENV) else registry_.user_dir())
+    return [first, registry_.shipped_dir()]
+
+
+def gpu_of(device: torch.device) -> str:
+    """The registry key of a device: the normalised GPU name, or 'interpreter' for CPU tensors."""
+    if device.type != "cuda":
+        return registry_.INTERPRETER
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = _gpu_keys.get(index)
+    if key is None:
+        key = _gpu_keys[index] = registry_.gpu_key(torch.cuda.get_device_name(index))
+    return key
+
+
+def registry_for(gpu: str) -> registry_.Registry:
+    reg = _registries.get(gpu)
+    if reg is None:
+        reg = _registries[gpu] = registry_.Registry.load(registry_paths(), gpu)
+    return reg
+
+
+def _choose(q, shape, mask: masks_.Mask | None) -> Choice:
+    bucket = registry_.seq_bucket(shape.kv_len)
     rows = max(16, 1 << max(0, shape.q_len - 1).bit_length())
-    if rows < config.block_m:
+    cache_key = (q.device, q.dtype, shape.head_dim, bucket, shape.group, mask.key if mask is not None else None,
+                 min(rows, 1 << 20))
+    choice = _choices.get(cache_key)
+    if choice is not None:
+        return choice
+    gpu = gpu_of(q.device)
+    variant = mask.variant if mask is not None else "none"
+    key = registry_.EntryKey(variant=variant, direction="fwd", dtype=DTYPE_NAMES[q.dtype], head_dim=shape.head_dim,
+                             seq_bucket=bucket, group=shape.group)
+    found = registry_for(gpu).lookup(key)
+    if found is not None:
+        entry, reason = found
+        config, source = entry.kernel_config(), f"registry: {reason}"
+    else:
+        arch = arch_of(q.device)
+        config = default_config(arch, shape.head_dim)
+        bound = next(d for d, _ in DEFAULTS.get(arch, DEFAULTS["generic"]) if shape.head_dim <= d)
+        source = f"no registry entry for {gpu}; default config for {arch}, head dim <= {bound}"
+    if rows < config.block_m:  # a short query (decoding) fills a smaller tile
         config = replace(config, block_m=rows)
-        source += f", block_m cut to {rows} for q_len {shape.q_len}"
-    return Choice(config, source)
+        source += f"; block_m cut to {rows} for q_len {shape.q_len}"
+    choice = _choices[cache_key] = Choice(config, source)
+    log.debug("attngen: %s %s d%d s%d (bucket %d) group %d -> %s (%s)", variant, key.dtype, shape.head_dim,
+              shape.kv_len, bucket, shape.group, config, source)
+    return choice
 
 
-def _bucket(arch: str, head_dim: int) -> int:
-    from .config import DEFAULTS
-
-    return next(d for d, _ in DEFAULTS.get(arch, DEFAULTS["generic"]) if head_dim <= d)
+def choose(q, k, v, mask=None) -> Choice:
+    """The config a call with these inputs would run, and where it came from."""
+    shape = check_qkv(q, k, v, kernel=True)
+    return _choose(q, shape, masks_.as_mask(mask))
 
 
 def explain(q, k, v, mask=None) -> str:
-    """Says which config `attention(q, k, v, mask=mask)` would use and where it came from."""
+    """Says which config `attention(q, k, v, mask=mask)` would use, and why."""
     m = masks_.as_mask(mask)
     choice = choose(q, k, v, m)
     variant = m.variant if m is not None else "none"
@@ -53,10 +132,12 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False):
     scale: defaults to 1 / sqrt(D). Returns the output (q's dtype and shape), or (output, lse) with
     return_lse=True, lse being the natural-log log-sum-exp of every row, fp32, shape (B, Hq, Sq).
     """
+    shape = check_qkv(q, k, v, kernel=True)
     m = masks_.as_mask(mask)
-    config = choose(q, k, v, m).config
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = AttentionFunction.apply(q, k, v, m, scale, return_lse, config)
+    config = _choose(q, shape, m).config
+    scale = check_scale(scale, shape.head_dim)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = AttentionFunction.apply(q, k, v, m, shape, scale, return_lse, config)
     else:
-        out, lse = attention_forward(q, k, v, m, scale=scale, return_lse=return_lse, config=config)
+        out, lse = forward(q, k, v, m, shape, scale, return_lse, config)
     return (out, lse) if return_lse else out

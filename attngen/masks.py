@@ -16,6 +16,7 @@ kernel's structure); `tensor` has a `shape` made of `batch`, `heads`, `q_len`, `
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -344,12 +345,12 @@ class Mask:
     def __repr__(self):
         return f"attngen.Mask({self._text(repr)})"
 
-    @property
+    @functools.cached_property
     def variant(self) -> str:
         """What the kernel is specialised for, e.g. `causal(align='bottom_right') & softcap`."""
         return self._text(Term.variant)
 
-    @property
+    @functools.cached_property
     def key(self):
         """Hashable structure: equal keys render the same kernel."""
         def walk(node):
@@ -359,7 +360,7 @@ class Mask:
 
         return (walk(self.tree), tuple(t.key for t in self.mods))
 
-    @property
+    @functools.cached_property
     def has_tensors(self) -> bool:
         return any(p.type == "tensor" for t in self.terms() for p in t.runtime)
 
@@ -468,12 +469,23 @@ def bind(m: Mask | None, *, batch: int, heads: int, q_len: int, kv_len: int, dev
                     raise ValueError(f"mask {term.template.name!r} parameter {p.name!r}: dimension {d} ({dim}) "
                                      f"has size {n}, expected {sizes[dim]}{broadcast}; shape {tuple(value.shape)}")
                 strides.append(0 if n == 1 and sizes[dim] != 1 else value.stride(d))
-            if value.device != torch.device(device):
+            if not same_device(value.device, device):
                 raise ValueError(f"mask {term.template.name!r} parameter {p.name!r} is on {value.device}, "
                                  f"but q is on {device}")
             args += [value] + strides
             env[_arg_names(i, p)[0]] = value.expand(*[sizes[d] for d in p.shape])
     return Bound(m, args, env)
+
+
+def same_device(a, b) -> bool:
+    """`cuda` and `cuda:0` are the same device when 0 is the current one."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda" and (a.index is None or b.index is None):
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
 
 
 def _term_env(index: int, term: Term, bound: Bound, base: dict, dtype=None) -> dict:
@@ -539,6 +551,9 @@ class BlockStructure:
     full_idx: torch.Tensor  # (B, H, num_m, num_n) int32
     partial_num: torch.Tensor
     partial_idx: torch.Tensor
+    # every list is a run of consecutive blocks (causal, windows, chunks): the kernel then steps
+    # through a range instead of reading indices. False when unknown (not checked, to avoid a sync)
+    contiguous: bool = False
 
     @property
     def classes(self) -> torch.Tensor:
@@ -558,11 +573,20 @@ def _lists(selected: torch.Tensor):
     return num, idx
 
 
-def structure_from_classes(classes: torch.Tensor, block_size) -> BlockStructure:
+def _runs(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """True where the first `num` indices of a row are consecutive."""
+    step_ok = (idx[..., 1:] - idx[..., :-1]) == 1
+    listed = torch.arange(1, idx.shape[-1], device=idx.device) < num[..., None]
+    return (step_ok | ~listed).all()
+
+
+def structure_from_classes(classes: torch.Tensor, block_size, check_contiguous: bool = False) -> BlockStructure:
+    """The block lists of a class tensor; `check_contiguous` costs one device sync."""
     full_num, full_idx = _lists(classes == FULL)
     partial_num, partial_idx = _lists(classes == PARTIAL)
+    contiguous = check_contiguous and bool(_runs(full_num, full_idx) & _runs(partial_num, partial_idx))
     return BlockStructure(tuple(block_size), full_num.contiguous(), full_idx.contiguous(),
-                          partial_num.contiguous(), partial_idx.contiguous())
+                          partial_num.contiguous(), partial_idx.contiguous(), contiguous)
 
 
 _CHUNK_ELEMENTS = 1 << 26  # cap on the (rows x keys) booleans evaluated at once
@@ -621,7 +645,7 @@ def block_structure(m: Mask | None, q_len: int, kv_len: int, block_size, *, batc
             _STRUCTURE_CACHE.move_to_end(key)
             return hit
     classes = classify(bound, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
-    result = structure_from_classes(classes, block_size)
+    result = structure_from_classes(classes, block_size, check_contiguous=key is not None)
     if key is not None:
         _STRUCTURE_CACHE[key] = result
         if len(_STRUCTURE_CACHE) > _STRUCTURE_CACHE_SIZE:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .. import masks as masks_
 from ..checks import check_qkv, check_scale, interpreter_on
@@ -62,6 +61,8 @@ def _ensure_allocator():
     """In-kernel tensor descriptors need scratch memory from a Triton allocator."""
     global _allocator_set
     if not _allocator_set:
+        import triton
+
         device = "cpu" if interpreter_on() else "cuda"
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
         _allocator_set = True
@@ -73,9 +74,9 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"  # fp16 / bf16 operands ignore it
 
 
-def launch(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, scale: float,
-           config: KernelConfig, use_tma: bool):
-    """Launch the kernel on checked inputs and preallocated outputs."""
+def launch_args(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, scale: float,
+                config: KernelConfig, use_tma: bool):
+    """(kernel, grid, args, kwargs) of one launch on checked inputs and preallocated outputs."""
     kernel = kernel_for(bound.mask if bound is not None else None)
     bm, bn = structure.block_size
     if use_tma:
@@ -88,18 +89,23 @@ def launch(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, sc
     lse_arg = lse if lse is not None else out
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     grid = (math.ceil(shape.q_len / bm), shape.batch * shape.heads)
-    kernel[grid](
-        q, k, v, out, lse_arg,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides,
-        structure.full_num, structure.full_idx, structure.partial_num, structure.partial_idx,
-        *strides3(cnt), *strides3(idx),
-        shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale,
-        *(bound.kernel_args if bound is not None else ()),
-        HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
-        STORE_LSE=lse is not None, USE_TMA=use_tma, WARP_SPECIALIZE=config.warp_specialize,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    args = (q, k, v, out, lse_arg,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides,
+            structure.full_num, structure.full_idx, structure.partial_num, structure.partial_idx,
+            *strides3(cnt), *strides3(idx),
+            shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale,
+            *(bound.kernel_args if bound is not None else ()))
+    kwargs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
+                  STORE_LSE=lse is not None, USE_TMA=use_tma, WARP_SPECIALIZE=config.warp_specialize,
+                  DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    return kernel, grid, args, kwargs
+
+
+def launch(*args):
+    """Launch the kernel (arguments as for launch_args)."""
+    kernel, grid, args, kwargs = launch_args(*args)
+    kernel[grid](*args, **kwargs)
 
 
 def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, config: KernelConfig,
@@ -109,11 +115,15 @@ def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, confi
     `out` and `lse` may be given preallocated (tests poison them to catch unwritten elements).
     """
     shape = check_qkv(q, k, v, kernel=True)
-    scale = check_scale(scale, shape.head_dim)
-    mask = masks_.as_mask(mask)
     problems = config.problems(shape.head_dim, q.element_size())
     if problems:
         raise ValueError(f"invalid kernel config {config}: {'; '.join(problems)}")
+    return forward(q, k, v, masks_.as_mask(mask), shape, check_scale(scale, shape.head_dim), return_lse, config,
+                   out, lse)
+
+
+def forward(q, k, v, mask, shape, scale: float, return_lse: bool, config: KernelConfig, out=None, lse=None):
+    """attention_forward on checked arguments (the dispatcher's hot path)."""
     bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
                         device=q.device)
     structure = masks_.block_structure(mask, shape.q_len, shape.kv_len, (config.block_m, config.block_n),
@@ -135,8 +145,8 @@ def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, confi
 # ---------------------------------------------------------------------------------------
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, return_lse, config):
-        return attention_forward(q, k, v, mask, scale=scale, return_lse=return_lse, config=config)
+    def forward(ctx, q, k, v, mask, shape, scale, return_lse, config):
+        return forward(q, k, v, mask, shape, scale, return_lse, config)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -1,0 +1,111 @@
+"""Search spaces (`search_spaces/*.yaml`): the values the tuner may try, and the static rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+from .config import KernelConfig, block_d_for
+from .expr import Expr, ExprError
+from .paths import data_dir
+
+TUNABLES = tuple(f.name for f in fields(KernelConfig))
+CONSTRAINT_NAMES = set(TUNABLES) | {"head_dim", "block_d", "elem_bytes", "seq_len"}
+
+
+class SpaceError(ValueError):
+    """A search-space file that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    expr: Expr
+    why: str
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    path: Path
+    template: str
+    direction: str
+    values: dict  # arch -> {tunable: [values]}
+    constraints: tuple[Constraint, ...]
+
+    def for_arch(self, arch: str) -> dict[str, list]:
+        if arch not in self.values:
+            raise SpaceError(f"{self.path}: no search space for architecture {arch!r} "
+                             f"(has {', '.join(sorted(self.values))})")
+        return self.values[arch]
+
+    def size(self, arch: str) -> int:
+        n = 1
+        for values in self.for_arch(arch).values():
+            n *= len(values)
+        return n
+
+    def violations(self, config: KernelConfig, *, head_dim: int, elem_bytes: int, seq_len: int) -> list[str]:
+        """The `why` of every constraint the config breaks."""
+        env = dict(config.as_dict(), head_dim=head_dim, block_d=block_d_for(head_dim), elem_bytes=elem_bytes,
+                   seq_len=seq_len)
+        return [c.why for c in self.constraints if not bool(c.expr.evaluate(env))]
+
+
+def load_space(path) -> SearchSpace:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SpaceError(f"{path}: cannot read search space: {e}") from None
+    if not isinstance(data, dict):
+        raise SpaceError(f"{path}: a search space is a mapping with template, direction, arch, constraints")
+    unknown = set(data) - {"template", "direction", "arch", "constraints"}
+    if unknown:
+        raise SpaceError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+    for key in ("template", "direction", "arch"):
+        if key not in data:
+            raise SpaceError(f"{path}: missing {key!r}")
+    if not isinstance(data["arch"], dict) or not data["arch"]:
+        raise SpaceError(f"{path}: arch must map architecture names to tunable values")
+    values = {}
+    for arch, table in data["arch"].items():
+        if not isinstance(table, dict) or set(table) != set(TUNABLES):
+            raise SpaceError(f"{path}: arch {arch!r} must list exactly {', '.join(TUNABLES)}")
+        for name, options in table.items():
+            kind = bool if name in ("use_tma", "warp_specialize") else int
+            if (not isinstance(options, list) or not options
+                    or any(type(v) is not kind for v in options) or len(set(options)) != len(options)):
+                raise SpaceError(f"{path}: arch {arch!r} {name} must be a list of distinct {kind.__name__} values, "
+                                 f"got {options!r}")
+        for value in table["block_m"] + table["block_n"]:
+            if value < 16 or value & (value - 1):
+                raise SpaceError(f"{path}: arch {arch!r}: block sizes must be powers of two >= 16, got {value}")
+        values[arch] = {name: list(table[name]) for name in TUNABLES}
+    constraints = []
+    for i, item in enumerate(data.get("constraints") or []):
+        if not isinstance(item, dict) or set(item) != {"expr", "why"}:
+            raise SpaceError(f"{path}: constraint {i} must have exactly `expr` and `why`")
+        try:
+            constraints.append(Constraint(Expr(str(item["expr"]), CONSTRAINT_NAMES, {}), str(item["why"])))
+        except ExprError as e:
+            raise SpaceError(f"{path}: constraint {i}: {e}") from None
+    return SearchSpace(path, data["template"], data["direction"], values, tuple(constraints))
+
+
+def default_space(direction: str = "fwd") -> SearchSpace:
+    names = {"fwd": "forward.yaml"}
+    if direction not in names:
+        raise SpaceError(f"no search space for direction {direction!r} (have {', '.join(names)})")
+    return load_space(data_dir("search_spaces") / names[direction])
+
+
+def find_space(name_or_path: str | None, direction: str = "fwd") -> SearchSpace:
+    """A space by file name in search_spaces/ (`forward_small`), by path, or the direction's default."""
+    if name_or_path is None:
+        return default_space(direction)
+    shipped = data_dir("search_spaces") / f"{name_or_path}.yaml"
+    space = load_space(shipped if shipped.is_file() else Path(name_or_path))
+    if space.direction != direction:
+        raise SpaceError(f"{space.path} is a space for {space.direction!r} kernels, not {direction!r}")
+    return space

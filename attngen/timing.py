@@ -1,0 +1,73 @@
+"""Timing and work counting shared by the tuner and the benchmarks.
+
+FLOPs: 4 * D per visible (query, key) pair (two matrix products, a multiply and an add each),
+counted over every batch and head; a causal mask counts about half the pairs of a dense one.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from . import masks as masks_
+
+
+def visible_pairs(mask, batch: int, heads: int, q_len: int, kv_len: int, device, chunk: int = 1024) -> int:
+    """Number of visible (query, key) pairs, evaluated in chunks of query rows."""
+    m = masks_.as_mask(mask)
+    if m is None or m.tree is None:
+        return batch * heads * q_len * kv_len
+    bound = masks_.bind(m, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, device=device)
+    total = 0
+    for start in range(0, q_len, chunk):
+        q = torch.arange(start, min(q_len, start + chunk), device=device)
+        env = dict(b=torch.arange(batch, device=device).view(-1, 1, 1, 1),
+                   h=torch.arange(heads, device=device).view(1, -1, 1, 1), q_idx=q.view(1, 1, -1, 1),
+                   kv_idx=torch.arange(kv_len, device=device).view(1, 1, 1, -1), q_len=q_len, kv_len=kv_len,
+                   batch=batch, heads=heads)
+        visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=device)
+        total += int(visible.expand(batch, heads, q.numel(), kv_len).sum())
+    return total
+
+
+def attention_flops(mask, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, device) -> int:
+    return 4 * head_dim * visible_pairs(mask, batch, heads, q_len, kv_len, device)
+
+
+def input_sets(bytes_per_set: int, device) -> int:
+    """How many input sets to rotate so that one pass over them is at least 4x the L2 (at most 16)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(16, math.ceil(4 * l2 / max(1, bytes_per_set))))
+
+
+def median_ms(fn, device, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median time of fn() in ms: CUDA events via triton.testing.do_bench, or a wall clock on the CPU."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()  # warm-up (compilation, caches)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+class Rotation:
+    """Calls fn on each input set in turn, so repeated timing runs do not all hit the L2."""
+
+    def __init__(self, fn, sets: list):
+        self.fn, self.sets, self.i = fn, sets, 0
+
+    def __call__(self):
+        args = self.sets[self.i % len(self.sets)]
+        self.i += 1
+        return self.fn(*args)

@@ -1,0 +1,585 @@
+"""`attngen tune`: search kernel configs with Optuna on the target GPU and record the winners.
+
+One Optuna study per problem (mask variant, dtype, head dim, sequence length, batch, heads).
+A trial:
+
+1. suggests a config from the search space (`search_spaces/forward.yaml`);
+2. rejects it before compiling if it breaks a static rule or needs more shared memory than the
+   device has (recorded as an Optuna constraint, so the sampler learns to avoid such points);
+3. compiles it in a child process (several at once: compilation dominates tuning time, and a
+   compiler crash ends only that child), which fills Triton's on-disk cache;
+4. in this process, one trial at a time: runs it, compares with the float64 reference (a wrong
+   result is a failed trial that can never win), and times it with CUDA-event medians on inputs
+   rotated so that they do not sit in the L2. The objective is TFLOP/s.
+
+Studies live in an Optuna storage (default: a journal file under the cache dir), so running the
+same command again resumes them; `--storage postgresql://...` shares them between hosts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import masks as masks_
+from . import registry as registry_
+from .checks import interpreter_on
+from .config import KernelConfig, arch_of
+from .paths import cache_dir
+from .reference import TOLERANCE
+from .space import SearchSpace, find_space
+from .timing import Rotation, attention_flops, input_sets, median_ms
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+SAMPLERS = ("tpe", "gp", "random", "grid")
+OK, INVALID, FAILED, WRONG = "ok", "invalid", "failed", "wrong"
+WORKER = f"{socket.gethostname()}:{os.getpid()}"  # recorded on every trial
+
+
+# ---------------------------------------------------------------------------------------
+# problems and where their studies live
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    mask: str  # mask spec text, as on the command line
+    dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+    direction: str = "fwd"
+
+    def mask_object(self):
+        return masks_.parse_spec(self.mask)
+
+    @property
+    def variant(self) -> str:
+        m = self.mask_object()
+        return m.variant if m is not None else "none"
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    def study_name(self, gpu: str) -> str:
+        return (f"attngen/{gpu}/{self.direction}/{self.variant}/{self.dtype}/d{self.head_dim}/s{self.seq_len}/"
+                f"b{self.batch}h{self.heads}kv{self.kv_heads}")
+
+    def entry_key(self) -> registry_.EntryKey:
+        return registry_.EntryKey(variant=self.variant, direction=self.direction, dtype=self.dtype,
+                                  head_dim=self.head_dim, seq_bucket=registry_.seq_bucket(self.seq_len),
+                                  group=self.group)
+
+
+def default_storage_url() -> str:
+    return str(cache_dir() / "tune" / "studies.journal")
+
+
+def open_storage(url: str | None):
+    """An Optuna storage: an RDB URL (sqlite:///, postgresql://...) or a journal file path."""
+    import optuna
+
+    url = url or default_storage_url()
+    if "://" in url:
+        return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=180)
+    Path(url).parent.mkdir(parents=True, exist_ok=True)
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(url))
+
+
+def make_sampler(name: str, values: dict, seed: int | None, trials: int):
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
+                                          n_startup_trials=max(4, trials // 4))
+    if name == "gp":
+        try:
+            import scipy  # noqa: F401
+        except ImportError:
+            raise ValueError("--sampler gp needs scipy (pip install scipy)") from None
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=max(4, trials // 4))
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(values, seed=seed)
+    raise ValueError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# compiling in a child process
+# ---------------------------------------------------------------------------------------
+def _inputs(problem: Problem, device, generator=None):
+    dtype = DTYPES[problem.dtype]
+    shape_q = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
+    shape_kv = (problem.batch, problem.kv_heads, problem.seq_len, problem.head_dim)
+    return [torch.randn(s, device=device, generator=generator).to(dtype) for s in (shape_q, shape_kv, shape_kv)]
+
+
+def compile_child(spec: str) -> None:
+    """Entry point of the child: run the config once so Triton's disk cache holds the kernel."""
+    from .kernels.forward import attention_forward
+
+    s = json.loads(spec)
+    problem = Problem(**s["problem"])
+    device = "cuda" if torch.cuda.is_available() and not interpreter_on() else "cpu"
+    q, k, v = _inputs(problem, device)
+    attention_forward(q, k, v, problem.mask_object(), config=KernelConfig(**s["config"]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def compile_in_child(problem: Problem, config: KernelConfig, timeout: float) -> str | None:
+    """None when the config compiled and ran in a child process, else why not."""
+    spec = json.dumps(dict(problem=asdict(problem), config=config.as_dict()))
+    try:
+        r = subprocess.run([sys.executable, "-m", "attngen.tune", spec], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"compilation took over {timeout:.0f}s"
+    if r.returncode == 0:
+        return None
+    lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return f"exit {r.returncode}: {(errors or lines or ['no output'])[-1][:300]}"
+
+
+# ---------------------------------------------------------------------------------------
+# one study
+# ---------------------------------------------------------------------------------------
+class Objective:
+    """Evaluates configs for one problem; trials run in threads, the GPU part one at a time."""
+
+    def __init__(self, problem: Problem, space: SearchSpace, arch: str, device, compile_timeout: float):
+        from .kernels.forward import attention_forward
+
+        self.problem, self.space, self.arch, self.device = problem, space, arch, torch.device(device)
+        self.values = space.for_arch(arch)
+        self.compile_timeout = compile_timeout
+        self.mask = problem.mask_object()
+        self.lock = threading.Lock()
+        self.smem_limit = shared_memory_limit(self.device)
+        g = torch.Generator(device=self.device).manual_seed(0)
+        first = _inputs(problem, self.device, g)
+        bytes_per_set = sum(t.numel() * t.element_size() for t in first)
+        self.sets = [first] + [_inputs(problem, self.device, g)
+                               for _ in range(input_sets(bytes_per_set, self.device) - 1)]
+        # correctness gate: batch 0 and the query heads of key/value head 0, against float64
+        q, k, v = first
+        self.gate = (slice(0, 1), slice(0, problem.group))
+        from .reference import attention as reference
+
+        self.ref = reference(q[self.gate], k[:1, :1], v[:1, :1], mask=self.mask)
+        self.flops = attention_flops(self.mask, problem.batch, problem.heads, problem.seq_len, problem.seq_len,
+                                     problem.head_dim, self.device)
+        self.run = lambda q, k, v, config: attention_forward(q, k, v, self.mask, config=config)[0]
+
+    def __call__(self, trial) -> float:
+        config = KernelConfig(**{name: trial.suggest_categorical(name, values) for name, values in self.values.items()})
+        status, reason, result = self.evaluate(trial.study, trial.number, config)
+        trial.set_user_attr("worker", WORKER)
+        trial.set_user_attr("status", status)
+        if reason:
+            trial.set_user_attr("reason", reason)
+        for key, value in result.items():
+            trial.set_user_attr(key, value)
+        trial.set_constraint("feasible", 0.0 if status == OK else 1.0)
+        return result.get("tflops", 0.0)
+
+    def evaluate(self, study, number: int, config: KernelConfig):
+        p = self.problem
+        problems = config.problems(p.head_dim, DTYPES[p.dtype].itemsize, self.smem_limit)
+        problems += self.space.violations(config, head_dim=p.head_dim, elem_bytes=DTYPES[p.dtype].itemsize,
+                                          seq_len=p.seq_len)
+        if problems:
+            return INVALID, "; ".join(problems), {}
+        earlier = _measured(study, config, number)
+        if earlier is not None:  # the sampler asked again: reuse, never re-measure
+            attrs = earlier.user_attrs
+            result = {k: attrs[k] for k in ("ms", "tflops", "error") if k in attrs}
+            result["repeat_of"] = earlier.number
+            return attrs["status"], attrs.get("reason", ""), result
+        failure = compile_in_child(p, config, self.compile_timeout)
+        if failure:
+            return FAILED, failure, {}
+        with self.lock:
+            try:
+                out = self.run(*self.sets[0], config)
+                error = _rel_error(out[self.gate], self.ref)
+                if not error <= TOLERANCE[DTYPES[p.dtype]]:  # NaN fails too
+                    return WRONG, f"relative error {error:.3e} against the float64 reference", {"error": error}
+                ms = median_ms(Rotation(lambda q, k, v: self.run(q, k, v, config), self.sets), self.device)
+            except Exception as e:  # out of resources at launch, and the like: recorded, not fatal
+                return FAILED, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", {}
+        return OK, "", {"ms": ms, "tflops": self.flops / ms / 1e9, "error": error}
+
+    def sdpa_ms(self) -> tuple[float | None, str]:
+        """The SDPA baseline on the same inputs (cuDNN where it runs), or None on the CPU."""
+        if self.device.type != "cuda":
+            return None, "n/a under the interpreter"
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kwargs = {"enable_gqa": True} if self.problem.group > 1 else {}
+        if self.mask is not None:
+            if _is_sdpa_causal(self.mask):
+                kwargs["is_causal"] = True
+            else:  # no SDPA form: the dense boolean mask a user would pass
+                env = dict(b=torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device),
+                           h=torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device),
+                           q_idx=torch.arange(self.problem.seq_len, device=self.device).view(1, 1, -1, 1),
+                           kv_idx=torch.arange(self.problem.seq_len, device=self.device).view(1, 1, 1, -1),
+                           q_len=self.problem.seq_len, kv_len=self.problem.seq_len, batch=self.problem.batch,
+                           heads=self.problem.heads)
+                bound = masks_.bind(self.mask, batch=self.problem.batch, heads=self.problem.heads,
+                                    q_len=self.problem.seq_len, kv_len=self.problem.seq_len, device=self.device)
+                kwargs["attn_mask"] = masks_.evaluate_visible(bound, env)
+        for backends, name in (([SDPBackend.CUDNN_ATTENTION], "cudnn"), (None, "default")):
+            try:
+                def run(q, k, v, backends=backends):
+                    if backends is None:
+                        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+                    with sdpa_kernel(backends):
+                        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+                with self.lock:
+                    return median_ms(Rotation(run, self.sets), self.device), name
+            except RuntimeError:
+                continue
+        return None, "SDPA could not run this case"
+
+
+def _is_sdpa_causal(mask) -> bool:
+    """The mask is exactly SDPA's is_causal=True."""
+    term = mask.tree
+    return (isinstance(term, masks_.Term) and not mask.mods and term.template.name == "causal"
+            and term.template.path.parent == masks_.template_dirs()[0] and term.static == {"align": "top_left"})
+
+
+def _rel_error(out, ref) -> float:
+    ref = ref.to(torch.float64)
+    return float((out.to(torch.float64) - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _measured(study, config: KernelConfig, number: int):
+    """An earlier finished trial of the same config, if any."""
+    import optuna
+
+    params = config.as_dict()
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        if t.number != number and t.params == params and "status" in t.user_attrs:
+            return t
+    return None
+
+
+def shared_memory_limit(device) -> int | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    import triton
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def best_trial(study):
+    """The fastest trial that compiled, passed the correctness gate and was timed."""
+    import optuna
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if t.user_attrs.get("status") == OK]
+    return max(done, key=lambda t: t.user_attrs["tflops"], default=None)
+
+
+# ---------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    gpu: str
+    device_name: str
+    device: str
+    arch: str
+    trials: int
+    timeout: float | None
+    sampler: str
+    seed: int | None
+    storage: str | None
+    jobs: int
+    compile_timeout: float
+    out: Path
+    space: str | None = None  # a file name in search_spaces/ or a path; None: the direction's default
+
+
+def detect(args_gpu: str | None, interpret: bool) -> tuple[str, str, str]:
+    """(gpu key, device name, device) of this machine; a --gpu that does not match is an error."""
+    if interpret:
+        if args_gpu not in (None, "interpreter"):
+            raise ValueError(f"--gpu {args_gpu} with --interpret: interpreter results are kept under the "
+                             "'interpreter' key, never mixed with a GPU's")
+        return "interpreter", "Triton interpreter (CPU)", "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device found: tune on the target GPU, or pass --interpret to try the pipeline "
+                         "on the CPU under Triton's interpreter")
+    name = torch.cuda.get_device_name()
+    gpu = registry_.gpu_key(name)
+    if args_gpu is not None and args_gpu != gpu:
+        raise ValueError(f"--gpu {args_gpu} does not match this machine's GPU ({name!r} -> {gpu}); "
+                         "configs must be tuned on the GPU that will run them")
+    return gpu, name, "cuda"
+
+
+def run_study(problem: Problem, settings: Settings, progress=None):
+    """Create or resume the study of `problem` and run it to `settings.trials` finished trials."""
+    import optuna
+
+    space = find_space(settings.space, problem.direction)
+    storage = open_storage(settings.storage)
+    values = space.for_arch(settings.arch)
+    study = optuna.create_study(study_name=problem.study_name(settings.gpu), storage=storage,
+                                sampler=make_sampler(settings.sampler, values, settings.seed, settings.trials),
+                                direction="maximize", load_if_exists=True)
+    finished = lambda: len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))  # noqa: E731
+    target = settings.trials if settings.sampler != "grid" else min(settings.trials, space.size(settings.arch))
+    if finished() >= target:
+        return study
+    objective = Objective(problem, space, settings.arch, settings.device, settings.compile_timeout)
+    if "sdpa_ms" not in study.user_attrs:
+        sdpa, how = objective.sdpa_ms()
+        study.set_user_attr("sdpa_ms", sdpa)
+        study.set_user_attr("sdpa", how)
+        study.set_user_attr("flops", objective.flops)
+        study.set_user_attr("problem", asdict(problem))
+    callbacks = [optuna.study.MaxTrialsCallback(target, states=(optuna.trial.TrialState.COMPLETE,))]
+    if progress is not None:
+        progress.reset(total=target)
+        progress.update(min(target, finished()))
+
+        def advance(study, trial):
+            progress.n = min(target, finished())
+            progress.refresh()
+        callbacks.append(advance)
+    study.optimize(objective, n_trials=None if settings.sampler != "grid" else target, timeout=settings.timeout,
+                   n_jobs=settings.jobs, callbacks=callbacks, catch=())
+    return study
+
+
+def winner_entry(problem: Problem, study, gpu: str) -> registry_.Entry | None:
+    import optuna
+    import triton
+
+    best = best_trial(study)
+    if best is None:
+        return None
+    trials = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    return registry_.Entry(key=problem.entry_key(), config=dict(best.params), ms=_round(best.user_attrs["ms"]),
+                           tflops=_round(best.user_attrs["tflops"]), sdpa_ms=_round(study.user_attrs.get("sdpa_ms")),
+                           trials=trials, triton=str(triton.__version__), torch=str(torch.__version__),
+                           date=datetime.date.today().isoformat())
+
+
+def _round(x):
+    """Five significant digits: readable files, no false precision."""
+    return None if x is None else float(f"{x:.5g}")
+
+
+def summary_table(rows) -> str:
+    """rows: (problem, study or None, entry or None)."""
+    head = ["mask", "dtype", "D", "S", "B", "H/Hkv", "config (BMxBN, warps, stages, tma, ws)", "ms", "TFLOP/s",
+            "SDPA ms", "SDPA", "speedup"]
+    lines = []
+    for p, study, e in rows:
+        if e is None:
+            lines.append([p.variant, p.dtype, p.head_dim, p.seq_len, p.batch, f"{p.heads}/{p.kv_heads}",
+                          "no config passed", "", "", "", "", ""])
+            continue
+        c = e.config
+        sdpa = e.sdpa_ms
+        lines.append([p.variant, p.dtype, p.head_dim, p.seq_len, p.batch, f"{p.heads}/{p.kv_heads}",
+                      f"{c['block_m']}x{c['block_n']}, {c['num_warps']}, {c['num_stages']}, "
+                      f"{'tma' if c['use_tma'] else '-'}, {'ws' if c['warp_specialize'] else '-'}",
+                      f"{e.ms:.4g}", f"{e.tflops:.4g}", f"{sdpa:.4g}" if sdpa else "n/a",
+                      study.user_attrs.get("sdpa", "") if study else "",
+                      f"{sdpa / e.ms:.2f}x" if sdpa else "n/a"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+
+
+def problems_from_args(args) -> list[Problem]:
+    out = []
+    for dtype in args.dtype:
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be a list of {', '.join(DTYPES)}, got {dtype!r}")
+        for head_dim in args.head_dim:
+            for seq_len in args.seq_len:
+                out.append(Problem(mask=args.mask, dtype=dtype, batch=args.batch, heads=args.heads,
+                                   kv_heads=args.kv_heads, seq_len=seq_len, head_dim=head_dim,
+                                   direction=args.direction))
+    return out
+
+
+def check_problems(problems: list[Problem], interpret: bool):
+    problems[0].mask_object()  # a bad spec fails here, before any work (tensor parameters cannot be given)
+    for p in problems:
+        if p.heads % p.kv_heads:
+            raise ValueError(f"--heads {p.heads} is not a multiple of --kv-heads {p.kv_heads}")
+        if min(p.batch, p.heads, p.kv_heads, p.seq_len, p.head_dim) < 1 or p.head_dim > 256:
+            raise ValueError("--batch, --heads, --kv-heads, --seq-len must be >= 1 and --head-dim 1..256")
+        if interpret and p.dtype == "bf16":
+            raise ValueError("--dtype bf16 cannot run under the interpreter (its bf16 tl.dot is wrong); use fp16 "
+                             "or fp32")
+    if problems[0].direction != "fwd":
+        raise ValueError(f"--direction {problems[0].direction}: only fwd kernels exist so far")
+
+
+def main(args) -> int:
+    """Run `attngen tune` with parsed arguments (see attngen.cli)."""
+    from tqdm import tqdm
+
+    if args.interpret:
+        if "triton" in sys.modules and not interpreter_on():
+            raise ValueError("--interpret needs TRITON_INTERPRET=1 before triton is imported; run `attngen tune "
+                             "--interpret` in a process of its own")
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("attngen tune: running under Triton's interpreter on the CPU, on tiny shapes; the timings say "
+              "nothing about a GPU and are stored under the 'interpreter' key", file=sys.stderr)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress bar and the summary say it all
+    gpu, device_name, device = detect(args.gpu, args.interpret)
+    problems = problems_from_args(args)
+    check_problems(problems, args.interpret)
+    settings = Settings(gpu=gpu, device_name=device_name, device=device, arch=arch_of(device), trials=args.trials,
+                        timeout=args.timeout, sampler=args.sampler, seed=args.seed, storage=args.storage,
+                        jobs=args.jobs, compile_timeout=args.compile_timeout,
+                        out=Path(args.out) if args.out else registry_.user_dir(), space=args.space)
+    # fail now, not after the first study, on a bad sampler or space
+    make_sampler(settings.sampler, find_space(settings.space, problems[0].direction).for_arch(settings.arch), None, 1)
+    if args.workers > 1 and not args.worker_only:
+        run_workers(args, settings)
+    else:
+        bar = tqdm(total=settings.trials, unit="trial", dynamic_ncols=True, file=sys.stderr)
+        try:
+            for i, problem in enumerate(problems, 1):
+                bar.set_description(f"[{i}/{len(problems)}] {problem.variant} {problem.dtype} d{problem.head_dim} "
+                                    f"s{problem.seq_len}")
+                run_study(problem, settings, bar)
+        finally:
+            bar.close()
+    if args.worker_only:
+        return 0
+    return finish(problems, settings)
+
+
+def run_workers(args, settings: Settings) -> None:
+    """One worker process per local GPU, all on the same storage; each takes trials as they come."""
+    storage = settings.storage or default_storage_url()
+    argv = [a for a in sys.argv[1:]]
+    procs = []
+    for i in range(args.workers):
+        env = dict(os.environ)
+        if settings.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        cmd = [sys.executable, "-m", "attngen"] + argv + ["--worker-only", "--storage", storage]
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"tuning workers exited with codes {codes}")
+
+
+def finish(problems: list[Problem], settings: Settings) -> int:
+    """Write every study's winner into the registry and print the summary."""
+    import optuna
+
+    storage = open_storage(settings.storage)
+    rows, entries = [], []
+    for p in problems:
+        try:
+            study = optuna.load_study(study_name=p.study_name(settings.gpu), storage=storage)
+        except KeyError:
+            rows.append((p, None, None))
+            continue
+        entry = winner_entry(p, study, settings.gpu)
+        rows.append((p, study, entry))
+        if entry is not None:
+            entries.append(entry)
+    path = settings.out / f"{settings.gpu}.yaml"
+    if entries:
+        registry_.write_entries(path, entries, settings.gpu, settings.device_name)
+    print(summary_table(rows))
+    print(f"\n{len(entries)} of {len(problems)} problems have a winner, written to {path}")
+    return 0 if len(entries) == len(problems) else 1
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("what to tune (each list option takes comma-separated values)")
+    g.add_argument("--mask", default="none", metavar="SPEC",
+                   help="mask variant, e.g. causal or 'sliding_window(window=1024)' (default none = dense)")
+    g.add_argument("--dtype", type=_list(str), default=None, help="fp16,bf16,fp32 (default bf16,fp16)")
+    g.add_argument("--head-dim", type=_list(int), default=None, help="default 64,128")
+    g.add_argument("--seq-len", type=_list(int), default=None, help="default 1024,4096,16384 (Sq = Sk)")
+    g.add_argument("--batch", type=int, default=None, help="default 4")
+    g.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
+    g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = --heads)")
+    g.add_argument("--direction", default="fwd", choices=["fwd", "bwd", "both"],
+                   help="fwd (the only kernel so far)")
+    g = parser.add_argument_group("how to search")
+    g.add_argument("--gpu", help="the GPU to tune for; must match this machine's (default: detected)")
+    g.add_argument("--trials", type=int, default=None, help="finished trials per problem (default 40)")
+    g.add_argument("--timeout", type=float, default=None, help="seconds per problem")
+    g.add_argument("--sampler", default="tpe", choices=SAMPLERS, help="Optuna sampler (default tpe)")
+    g.add_argument("--space", help="search space: a file name in search_spaces/ (e.g. forward_small) or a path "
+                                   "(default: search_spaces/forward.yaml)")
+    g.add_argument("--seed", type=int, default=None, help="sampler seed")
+    g.add_argument("--storage", help="Optuna storage: a journal file path or an RDB URL such as "
+                                     "postgresql://user@host/db (default: a journal under the cache dir)")
+    g.add_argument("--workers", type=int, default=1, help="worker processes, one per local GPU (default 1)")
+    g.add_argument("--jobs", type=int, default=None,
+                   help="trials in flight per worker: configs compile in parallel child processes (default 8)")
+    g.add_argument("--compile-timeout", type=float, default=300.0, help="seconds one compilation may take")
+    g.add_argument("--out", help="registry folder to write (default: the user registry; --out tuned/ to commit)")
+    g.add_argument("--interpret", action="store_true",
+                   help="no GPU: run the pipeline on tiny shapes under Triton's interpreter ('interpreter' key)")
+    g.add_argument("--worker-only", action="store_true", help="internal: run trials, write nothing")
+
+
+def fill_defaults(args) -> None:
+    tiny = args.interpret
+    defaults = dict(dtype=["fp16"] if tiny else ["bf16", "fp16"], head_dim=[32] if tiny else [64, 128],
+                    seq_len=[64] if tiny else [1024, 4096, 16384], batch=1 if tiny else 4, heads=2 if tiny else 16,
+                    trials=6 if tiny else 40, jobs=2 if tiny else 8)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.trials < 1 or args.jobs < 1 or args.workers < 1:
+        raise ValueError("--trials, --jobs and --workers must be >= 1")
+    if args.direction != "fwd":
+        raise ValueError(f"--direction {args.direction}: only the forward kernel exists so far")
+
+
+def _list(kind):
+    def parse(text):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+    parse.__name__ = f"list of {kind.__name__}"
+    return parse
+
+
+if __name__ == "__main__":
+    compile_child(sys.argv[1])
