@@ -22,10 +22,12 @@ import datetime
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -92,7 +94,16 @@ def open_storage(url: str | None):
 
     url = url or default_storage_url()
     if "://" in url:
-        return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=180)
+        import sqlalchemy.exc
+
+        for attempt in range(5):
+            try:
+                return optuna.storages.RDBStorage(url, heartbeat_interval=60, grace_period=180)
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+                # workers starting together on a new database race to create Optuna's tables; one wins
+                if attempt == 4:
+                    raise
+                time.sleep(0.5 + random.random())
     Path(url).parent.mkdir(parents=True, exist_ok=True)
     from optuna.storages.journal import JournalFileBackend
 
@@ -468,6 +479,7 @@ def main(args) -> int:
     # fail now, not after the first study, on a bad sampler or space
     make_sampler(settings.sampler, find_space(settings.space, problems[0].direction).for_arch(settings.arch), None, 1)
     if args.workers > 1 and not args.worker_only:
+        open_storage(settings.storage)  # create the storage's tables once, before the workers race to
         run_workers(args, settings)
     else:
         bar = tqdm(total=settings.trials, unit="trial", dynamic_ncols=True, file=sys.stderr)
@@ -544,7 +556,8 @@ def add_arguments(parser) -> None:
                                    "(default: search_spaces/forward.yaml)")
     g.add_argument("--seed", type=int, default=None, help="sampler seed")
     g.add_argument("--storage", help="Optuna storage: a journal file path or an RDB URL such as "
-                                     "postgresql://user@host/db (default: a journal under the cache dir)")
+                                     "postgresql+psycopg2://user:password@host/db (default: a journal file "
+                                     "under the cache dir)")
     g.add_argument("--workers", type=int, default=1, help="worker processes, one per local GPU (default 1)")
     g.add_argument("--jobs", type=int, default=None,
                    help="trials in flight per worker: configs compile in parallel child processes (default 8)")
