@@ -103,7 +103,7 @@ def _is_block(value) -> bool:
 
 @dataclass(frozen=True)
 class EntryKey:
-    """What a tuned config was tuned for; `seq_bucket` is `seq_bucket(max(q_len, kv_len))`."""
+    """What a tuned config was tuned for; `seq_bucket` is `seq_bucket(kv_len)` (the tuner runs Sq = Sk)."""
     variant: str  # the mask variant's text, "none" without a mask
     direction: str  # "fwd" or "bwd"
     dtype: str  # "fp16", "bf16" or "fp32"

@@ -372,6 +372,9 @@ def run_study(problem: Problem, settings: Settings, progress=None):
         study.set_user_attr("sdpa", how)
         study.set_user_attr("flops", objective.flops)
         study.set_user_attr("problem", asdict(problem))
+    if not study.get_trials(deepcopy=False):
+        for config in starting_points(problem, settings, values):
+            study.enqueue_trial(config.as_dict(), skip_if_exists=True)
     callbacks = [optuna.study.MaxTrialsCallback(target, states=(optuna.trial.TrialState.COMPLETE,))]
     if progress is not None:
         progress.reset(total=target)
@@ -384,6 +387,19 @@ def run_study(problem: Problem, settings: Settings, progress=None):
     study.optimize(objective, n_trials=None if settings.sampler != "grid" else target, timeout=settings.timeout,
                    n_jobs=settings.jobs, callbacks=callbacks, catch=())
     return study
+
+
+def starting_points(problem: Problem, settings: Settings, values: dict) -> list[KernelConfig]:
+    """The first configs a new study tries: what the registries already hold for this problem
+    (exact or nearest bucket), then the architecture's fallback; a search never ends worse than them."""
+    from .config import default_config
+
+    found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
+                                    settings.gpu).lookup(problem.entry_key())
+    configs = [found[0].kernel_config()] if found else []
+    configs.append(default_config(settings.arch, problem.head_dim))
+    inside = [c for c in configs if all(getattr(c, n) in values[n] for n in values)]
+    return list(dict.fromkeys(inside))
 
 
 def winner_entry(problem: Problem, study, gpu: str) -> registry_.Entry | None:
@@ -487,7 +503,12 @@ def main(args) -> int:
             for i, problem in enumerate(problems, 1):
                 bar.set_description(f"[{i}/{len(problems)}] {problem.variant} {problem.dtype} d{problem.head_dim} "
                                     f"s{problem.seq_len}")
-                run_study(problem, settings, bar)
+                study = run_study(problem, settings, bar)
+                if not args.worker_only:  # record each winner at once: an interrupted run keeps what it found
+                    entry = winner_entry(problem, study, settings.gpu)
+                    if entry is not None:
+                        registry_.write_entries(settings.out / f"{settings.gpu}.yaml", [entry], settings.gpu,
+                                                settings.device_name)
         finally:
             bar.close()
     if args.worker_only:

@@ -98,6 +98,7 @@ def main() -> int:
     p.add_argument("--masks", default="none,causal,sliding_window,document")
     p.add_argument("--seq-lens", help="sequence lengths to run instead of the shape's S, e.g. 1024,4096,16384")
     p.add_argument("--out", default=".", help="folder for forward.json and forward.md")
+    p.add_argument("--tag", default="", help="suffix of the output files: forward<TAG>.json / .md")
     args = p.parse_args()
 
     b, h, s0, d = [int(x) for x in args.shape.split(",")]
@@ -131,7 +132,7 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "forward.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    (out / f"forward{args.tag}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     md = [f"{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, B={b} H={h} D={d}", "",
           "| S | dtype | mask | method | ms | TFLOP/s | rel. error |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -140,7 +141,7 @@ def main() -> int:
             md.append(f"{head} n/a | n/a | {r['skipped']} |")
         else:
             md.append(f"{head} {r['ms']:.3f} | {r['tflops']:.0f} | {r['error']:.1e} |")
-    (out / "forward.md").write_text("\n".join(md) + "\n")
+    (out / f"forward{args.tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
 

@@ -92,6 +92,9 @@ def main() -> int:
              "|---|---|---|---|---|"]
     for label, r in results.items():
         lines.append(f"| {label} | {r['median']} | {r['p90']} | {r['max']} | {r['missed']} of {args.seeds} |")
+    lines += ["", "every measured point, fastest first:", "| config | TFLOP/s |", "|---|---|"]
+    for params, value in sorted(table.items(), key=lambda kv: -(kv[1] or 0)):
+        lines.append(f"| {', '.join(f'{k}={v}' for k, v in params)} | {f'{value:.1f}' if value else 'not valid'} |")
     print("\n".join(lines))
     (out / "search_efficiency.md").write_text("\n".join(lines) + "\n")
     return 0

@@ -287,3 +287,42 @@ def test_corrupt_registry_warns_and_falls_back(tmp_path, clean_dispatch):
 def test_use_registry_needs_an_existing_path(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         attngen.use_registry(tmp_path / "missing")
+
+
+def test_new_studies_start_from_the_registry_and_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "user_dir", lambda: tmp_path / "user")
+    values = default_space("fwd").for_arch("interpreter")
+    settings = tune.Settings(gpu="interpreter", device_name="x", device="cpu", arch="interpreter", trials=1,
+                             timeout=None, sampler="tpe", seed=0, storage=None, jobs=1, compile_timeout=60,
+                             out=tmp_path / "out")
+    from attngen.config import default_config
+
+    fallback = default_config("interpreter", PROBLEM.head_dim)
+    assert tune.starting_points(PROBLEM, settings, values) == [fallback]
+    tuned = KernelConfig(16, 32, 4, 2, use_tma=True)
+    entry = registry.Entry(key=PROBLEM.entry_key(), config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None,
+                           trials=3, triton="3.6.0", torch="2.13.0", date="2026-11-29")
+    registry.write_entries(tmp_path / "out" / "interpreter.yaml", [entry], "interpreter", "x")
+    assert tune.starting_points(PROBLEM, settings, values) == [tuned, fallback]
+
+
+def test_tensor_descriptors_get_an_allocator_in_every_thread():
+    """Triton keeps its allocator per thread (ContextVar); the tuner times configs from worker threads."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from attngen.kernels.forward import _ensure_allocator
+
+    seen = []
+
+    def work():
+        before = _allocation._allocator.get() is _allocation._NULL_ALLOCATOR
+        _ensure_allocator()
+        seen.append((before, _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR))
+
+    for _ in range(2):
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    assert seen == [(True, True), (True, True)]

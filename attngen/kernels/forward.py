@@ -54,18 +54,17 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-_allocator_set = False
-
-
 def _ensure_allocator():
-    """In-kernel tensor descriptors need scratch memory from a Triton allocator."""
-    global _allocator_set
-    if not _allocator_set:
-        import triton
+    """In-kernel tensor descriptors need scratch memory from a Triton allocator.
 
+    Triton keeps the allocator in a ContextVar, so every thread needs its own: set one where the
+    current thread has none (never replacing an allocator the user set).
+    """
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         device = "cpu" if interpreter_on() else "cuda"
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-        _allocator_set = True
+        _allocation.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
