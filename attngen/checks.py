@@ -37,41 +37,50 @@ def check_qkv(q, k, v, *, kernel: bool) -> Shape:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq_len, head_dim), "
-                             f"got shape {tuple(t.shape)}")
-        if kernel and t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share one dtype")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k and v must share one device")
-    batch, heads, q_len, head_dim = q.shape
-    _, kv_heads, kv_len, _ = k.shape
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise ValueError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[3] != head_dim or v.shape[3] != head_dim:
-        raise ValueError(f"head dims differ: q {head_dim}, k {k.shape[3]}, v {v.shape[3]}; "
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    dtype, device = q.dtype, q.device
+    if (len(q_shape) == len(k_shape) == len(v_shape) == 4 and k.dtype is dtype and v.dtype is dtype
+            and dtype in SUPPORTED_DTYPES and k.device == device and v.device == device):
+        pass  # the common case: only the sizes below are left to check
+    else:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise ValueError(f"{name} must have 4 dimensions (batch, heads, seq_len, head_dim), "
+                                 f"got shape {tuple(t.shape)}")
+            if kernel and t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but q has {dtype}; q, k and v must share one dtype")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but q is on {device}; q, k and v must share one device")
+    batch, heads, q_len, head_dim = q_shape
+    _, kv_heads, kv_len, _ = k_shape
+    if k_shape[0] != batch or v_shape[0] != batch:
+        raise ValueError(f"batch sizes differ: q {batch}, k {k_shape[0]}, v {v_shape[0]}")
+    if k_shape[3] != head_dim or v_shape[3] != head_dim:
+        raise ValueError(f"head dims differ: q {head_dim}, k {k_shape[3]}, v {v_shape[3]}; "
                          "attngen needs one head dim for q, k and v")
-    if v.shape[1] != kv_heads or v.shape[2] != kv_len:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; "
+    if v_shape[1] != kv_heads or v_shape[2] != kv_len:
+        raise ValueError(f"k has shape {tuple(k_shape)} but v has {tuple(v_shape)}; "
                          "their heads and sequence lengths must match")
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"q has {heads} heads, which is not a multiple of the {kv_heads} key/value heads")
     if kv_len == 0:
         raise ValueError("k and v have sequence length 0; there is nothing to attend to")
-    if kernel and head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {head_dim} is over the supported {MAX_HEAD_DIM}")
-    if kernel and head_dim < 1:
-        raise ValueError(f"head dim {head_dim} must be at least 1")
-    if kernel and q.device.type == "cpu" and not interpreter_on():
-        raise ValueError("q, k and v are CPU tensors; attngen kernels run on a CUDA device, or on the CPU under "
-                         "Triton's interpreter (set TRITON_INTERPRET=1 before triton is imported)")
-    if kernel and q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q is on {q.device}; attngen kernels run on CUDA devices")
+    if kernel:
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head dim {head_dim} is over the supported {MAX_HEAD_DIM}")
+        if head_dim < 1:
+            raise ValueError(f"head dim {head_dim} must be at least 1")
+        if device.type != "cuda":
+            if device.type != "cpu":
+                raise ValueError(f"q is on {device}; attngen kernels run on CUDA devices")
+            if not interpreter_on():
+                raise ValueError("q, k and v are CPU tensors; attngen kernels run on a CUDA device, or on the CPU "
+                                 "under Triton's interpreter (set TRITON_INTERPRET=1 before triton is imported)")
     return Shape(batch, heads, kv_heads, q_len, kv_len, head_dim)
 
 

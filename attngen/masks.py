@@ -20,6 +20,7 @@ import functools
 import math
 import numbers
 import os
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,12 +214,16 @@ def register_template_dir(path) -> None:
 
 def template_dirs() -> list[Path]:
     """The builtin folder, then ATTNGEN_TEMPLATE_PATH's folders, then registered ones."""
-    env = [Path(p).expanduser().resolve() for p in os.environ.get(TEMPLATE_PATH_ENV, "").split(os.pathsep) if p]
+    return list(_template_dirs(os.environ.get(TEMPLATE_PATH_ENV, ""), tuple(_user_dirs)))
+
+
+@functools.lru_cache(maxsize=16)
+def _template_dirs(env: str, registered: tuple) -> tuple:
     dirs = [data_dir("templates") / "masks"]
-    for d in env + _user_dirs:
+    for d in [Path(p).expanduser().resolve() for p in env.split(os.pathsep) if p] + list(registered):
         if d not in dirs:
             dirs.append(d)
-    return dirs
+    return tuple(dirs)
 
 
 def templates() -> dict[str, Template]:
@@ -361,6 +366,12 @@ class Mask:
         return (walk(self.tree), tuple(t.key for t in self.mods))
 
     @functools.cached_property
+    def call_key(self):
+        """The structure plus the run-time scalar values: equal keys launch identically (no tensors)."""
+        scalars = tuple(t.values[p.name] for t in self.terms() for p in t.runtime if p.type != "tensor")
+        return self.key, scalars
+
+    @functools.cached_property
     def has_tensors(self) -> bool:
         return any(p.type == "tensor" for t in self.terms() for p in t.runtime)
 
@@ -368,6 +379,9 @@ class Mask:
                         batch: int = 1, heads: int = 1, device=None) -> "BlockStructure":
         """Classify (BLOCK_M x BLOCK_N) tiles as empty, partial or full, per batch and head."""
         return block_structure(self, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
+
+
+_NAMED: dict[tuple, Mask] = {}
 
 
 def mask(name: str, **params) -> Mask:
@@ -382,8 +396,12 @@ def as_mask(value, argument: str = "mask") -> Mask | None:
     """`None`, a template name or a Mask, as given to attention(mask=...)."""
     if value is None or isinstance(value, Mask):
         return value
-    if isinstance(value, str):
-        return mask(value)
+    if isinstance(value, str):  # one Mask per name while the template folders stay the same
+        key = (value, os.environ.get(TEMPLATE_PATH_ENV, ""), tuple(_user_dirs))
+        named = _NAMED.get(key)
+        if named is None or _templates is None:
+            named = _NAMED[key] = mask(value)
+        return named
     raise TypeError(f"{argument} must be None, a mask name or an attngen mask object, got {type(value).__name__}")
 
 
@@ -630,26 +648,31 @@ def classify(bound: Bound | None, q_len: int, kv_len: int, block_size, *, batch:
 
 def block_structure(m: Mask | None, q_len: int, kv_len: int, block_size, *, batch: int = 1, heads: int = 1,
                     device=None, bound: Bound | None = None) -> BlockStructure:
-    """The block structure of `m` for one call; cached when it has no tensor parameters."""
+    """The block structure of `m` for one call, cached.
+
+    A mask with tensor parameters is cached while those very tensor objects live and are not
+    modified in place (torch's version counter): a mask built once per batch and used by every
+    layer classifies its blocks once. Changing a tensor through a path torch does not track
+    (`.data`, DLPack or numpy aliases) is not seen: build a new mask instead.
+    """
     if device is None:
         device = "cpu"
     device = torch.device(device)
     if bound is None:
         bound = bind(m, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, device=device)
-    key = None
-    if m is None or not m.has_tensors:
-        key = (None if m is None else m.key, tuple(bound.kernel_args) if bound else (), q_len, kv_len,
-               tuple(block_size), batch, heads, device)
-        hit = _STRUCTURE_CACHE.get(key)
-        if hit is not None:
-            _STRUCTURE_CACHE.move_to_end(key)
-            return hit
+    tensors = [v for t in m.terms() for v in t.values.values() if isinstance(v, torch.Tensor)] if m else []
+    key = (None if m is None else m.call_key, tuple((id(t), t._version) for t in tensors), q_len, kv_len,
+           tuple(block_size), batch, heads, device)
+    hit = _STRUCTURE_CACHE.get(key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[1], tensors)):
+        _STRUCTURE_CACHE.move_to_end(key)
+        return hit[0]
     classes = classify(bound, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
-    result = structure_from_classes(classes, block_size, check_contiguous=key is not None)
-    if key is not None:
-        _STRUCTURE_CACHE[key] = result
-        if len(_STRUCTURE_CACHE) > _STRUCTURE_CACHE_SIZE:
-            _STRUCTURE_CACHE.popitem(last=False)
+    # the run check costs a device sync: worth it once per shape, not once per new tensor
+    result = structure_from_classes(classes, block_size, check_contiguous=not tensors)
+    _STRUCTURE_CACHE[key] = (result, [weakref.ref(t) for t in tensors])
+    if len(_STRUCTURE_CACHE) > _STRUCTURE_CACHE_SIZE:
+        _STRUCTURE_CACHE.popitem(last=False)
     return result
 
 

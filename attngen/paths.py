@@ -7,12 +7,14 @@ installed wheel find them here.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
 
 
+@functools.lru_cache(maxsize=None)
 def data_dir(name: str) -> Path:
     """The folder `name` (templates, search_spaces, tuned) of this installation."""
     for candidate in (_PACKAGE / name, _PACKAGE.parent / name):

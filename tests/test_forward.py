@@ -110,6 +110,7 @@ def test_causal_on_band_split():
     assert s.partial_num.flatten().tolist() == [1, 1, 1, 1]
     assert s.full_num.flatten().tolist() == [0, 1, 2, 3]
     assert s.partial_idx[0, 0, :, 0].tolist() == [0, 1, 2, 3]
+    assert s.contiguous
     dense = masks_.block_structure(None, 100, 100, (64, 64), device=DEVICE)
     assert dense.full_num.flatten().tolist() == [1, 1] and dense.partial_num.flatten().tolist() == [1, 1]
 
@@ -144,6 +145,24 @@ def test_block_structure_is_cached_without_tensors():
     a = m.block_structure(512, 512, (64, 64), device=DEVICE)
     assert m.block_structure(512, 512, (64, 64), device=DEVICE) is a
     assert attngen.mask("sliding_window", window=65).block_structure(512, 512, (64, 64), device=DEVICE) is not a
+    assert a.contiguous
+
+
+def test_block_structure_of_a_tensor_mask_follows_its_tensor():
+    """Cached while the same tensor object is unchanged; an in-place change or a new tensor reclassifies."""
+    ids = torch.zeros(1, 256, dtype=torch.int64, device=DEVICE)
+    m = attngen.mask("document", doc_ids=ids)
+    a = m.block_structure(256, 256, (64, 64), device=DEVICE)
+    assert m.block_structure(256, 256, (64, 64), device=DEVICE) is a
+    assert a.full_num.flatten().tolist() == [4, 4, 4, 4]
+    ids[:, 128:] = 1  # two documents now: the cached structure must not be reused
+    b = m.block_structure(256, 256, (64, 64), device=DEVICE)
+    assert b is not a and b.full_num.flatten().tolist() == [2, 2, 2, 2]
+    q, k, v = rand_qkv(1, 2, 2, 256, 256, 16, torch.float16)
+    out = attngen.attention(q, k, v, mask=m)  # and the kernel sees the new documents
+    assert_close(out, attngen.reference.attention(q, k, v, mask=m), torch.float16)
+    other = attngen.mask("document", doc_ids=ids.clone())
+    assert other.block_structure(256, 256, (64, 64), device=DEVICE) is not b
 
 
 def test_empty_query():

@@ -326,3 +326,27 @@ def test_tensor_descriptors_get_an_allocator_in_every_thread():
         t.start()
         t.join()
     assert seen == [(True, True), (True, True)]
+
+
+def test_fast_path_matches_the_checked_path(clean_dispatch):
+    """The dispatcher's prepared launches (one per call signature) give what a fully checked call gives."""
+    from attngen.kernels.forward import attention_forward
+
+    q = torch.randn(1, 4, 70, 32, device=DEVICE).half()
+    kv = torch.randn(1, 2, 90, 2, 32, device=DEVICE).half()
+    k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # strided views
+    for mask in (None, "causal", attngen.mask("sliding_window", window=9), attngen.mask("sliding_window", window=30)):
+        for return_lse in (False, True):
+            got = attngen.attention(q, k, v, mask=mask, return_lse=return_lse)
+            again = attngen.attention(q, k, v, mask=mask, return_lse=return_lse)  # from the prepared plan
+            config = dispatch.choose(q, k, v, mask).config
+            want = attention_forward(q, k, v, mask, return_lse=True, config=config)
+            for a in (got, again):
+                out, lse = a if return_lse else (a, None)
+                assert torch.equal(out, want[0])
+                if return_lse:
+                    assert torch.equal(lse, want[1])
+    # new values of a mask's scalars get their own plan
+    a = attngen.attention(q, k, v, mask=attngen.mask("sliding_window", window=9))
+    b = attngen.attention(q, k, v, mask=attngen.mask("sliding_window", window=30))
+    assert not torch.equal(a, b)

@@ -33,7 +33,7 @@ _KERNELS: dict = {}
 
 def kernel_for(mask: masks_.Mask | None):
     """The jitted kernel for `mask`'s variant: rendered and imported once per process."""
-    key = (None if mask is None else mask.key, interpreter_on())
+    key = None if mask is None else mask.key
     fn = _KERNELS.get(key)
     if fn is None:
         fn = _KERNELS[key] = load_module(render_source(mask)).attention_fwd
@@ -68,9 +68,9 @@ def _ensure_allocator():
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not (torch.backends.cuda.matmul.allow_tf32 and not interpreter_on()):
-        return "ieee"
-    return "tf32"  # fp16 / bf16 operands ignore it
+    if dtype is not torch.float32:
+        return "tf32"  # fp16 / bf16 operands ignore it
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not interpreter_on() else "ieee"
 
 
 def launch_args(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, scale: float,
@@ -105,6 +105,39 @@ def launch(*args):
     """Launch the kernel (arguments as for launch_args)."""
     kernel, grid, args, kwargs = launch_args(*args)
     kernel[grid](*args, **kwargs)
+
+
+class Plan:
+    """Everything of a launch but the tensors, prepared once per call signature (the dispatcher's fast path).
+
+    A signature fixes shapes, strides, dtypes, device, mask (with its scalar values), scale and
+    return_lse; the output's strides follow from q's, so only q, k, v, out and lse change per call.
+    """
+
+    def __init__(self, q, k, v, mask, shape, scale: float, return_lse: bool, config: KernelConfig):
+        bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                            device=q.device)
+        structure = masks_.block_structure(mask, shape.q_len, shape.kv_len, (config.block_m, config.block_n),
+                                           batch=shape.batch, heads=shape.heads, device=q.device, bound=bound)
+        out = torch.empty_like(q)
+        lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device)
+        self.lse_shape = tuple(lse.shape) if return_lse else None
+        self.kernel, self.grid, args, self.plain = launch_args(q, k, v, out, lse if return_lse else None, bound,
+                                                               structure, shape, scale, config, False)
+        self.tail = args[5:]
+        self.tma = None
+        if config.use_tma and tma_eligible(q, k, v):  # strides fit; base alignment is checked per call
+            self.tma = dict(self.plain, USE_TMA=True)
+
+    def run(self, q, k, v):
+        out = torch.empty_like(q)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        kwargs = self.plain
+        if self.tma is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0:
+            kwargs = self.tma
+            _ensure_allocator()
+        self.kernel[self.grid](q, k, v, out, out if lse is None else lse, *self.tail, **kwargs)
+        return out, lse
 
 
 def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, config: KernelConfig,
