@@ -51,10 +51,12 @@ def block_d_for(head_dim: int) -> int:
 
 
 # Fallback configs: architecture -> [(largest head dim, config)], first fit wins.
-# sm90 values: the best of a small sweep on an H200 (triton 3.6, see benchmarks/RESULTS.md).
+# sm90: the configs `attngen tune` picked most often on an H200 (2026-11-29, triton 3.6,
+# benchmarks/RESULTS.md): 128x64, 8 warps, 3 stages for D <= 64; 128x64, 4 warps, 2 stages with
+# TMA for D <= 128. D > 128 was not measured. The other rows are untuned starting points.
 DEFAULTS: dict[str, list[tuple[int, KernelConfig]]] = {
     "sm90": [
-        (64, KernelConfig(128, 128, 4, 3, use_tma=True)),
+        (64, KernelConfig(128, 64, 8, 3)),
         (128, KernelConfig(128, 64, 4, 2, use_tma=True)),
         (256, KernelConfig(64, 64, 4, 2, use_tma=True)),
     ],

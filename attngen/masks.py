@@ -301,6 +301,18 @@ class Mask:
     def __init__(self, tree=None, mods: tuple = ()):
         self.tree = tree  # None (all visible), a Term, or (op, left, right)
         self.mods = tuple(mods)
+        # computed once: the dispatcher reads these on every call (no cached_property: it locks on 3.11)
+        terms = self.terms()
+        self.key = (self._structure(tree), tuple(t.key for t in self.mods))  # equal keys render the same kernel
+        scalars = tuple(t.values.get(p.name) for t in terms for p in t.runtime if p.type != "tensor")
+        self.call_key = (self.key, scalars)  # plus the run-time scalars: equal keys launch identically
+        self.has_tensors = any(p.type == "tensor" for t in terms for p in t.runtime)
+
+    @staticmethod
+    def _structure(node):
+        if isinstance(node, Term):
+            return node.key
+        return None if node is None else (node[0], Mask._structure(node[1]), Mask._structure(node[2]))
 
     def _combine(self, other, op: str) -> "Mask":
         if not isinstance(other, Mask):
@@ -354,26 +366,6 @@ class Mask:
     def variant(self) -> str:
         """What the kernel is specialised for, e.g. `causal(align='bottom_right') & softcap`."""
         return self._text(Term.variant)
-
-    @functools.cached_property
-    def key(self):
-        """Hashable structure: equal keys render the same kernel."""
-        def walk(node):
-            if isinstance(node, Term):
-                return node.key
-            return None if node is None else (node[0], walk(node[1]), walk(node[2]))
-
-        return (walk(self.tree), tuple(t.key for t in self.mods))
-
-    @functools.cached_property
-    def call_key(self):
-        """The structure plus the run-time scalar values: equal keys launch identically (no tensors)."""
-        scalars = tuple(t.values[p.name] for t in self.terms() for p in t.runtime if p.type != "tensor")
-        return self.key, scalars
-
-    @functools.cached_property
-    def has_tensors(self) -> bool:
-        return any(p.type == "tensor" for t in self.terms() for p in t.runtime)
 
     def block_structure(self, q_len: int, kv_len: int, block_size: tuple[int, int], *,
                         batch: int = 1, heads: int = 1, device=None) -> "BlockStructure":

@@ -350,3 +350,20 @@ def test_fast_path_matches_the_checked_path(clean_dispatch):
     a = attngen.attention(q, k, v, mask=attngen.mask("sliding_window", window=9))
     b = attngen.attention(q, k, v, mask=attngen.mask("sliding_window", window=30))
     assert not torch.equal(a, b)
+
+
+def test_workers_share_one_study(tmp_path):
+    """--workers 2: two processes on the default journal storage split one study's trials."""
+    env = env_for(tmp_path)
+    r = subprocess.run(attngen_cmd("tune", "--interpret", "--mask", "none", "--trials", "10", "--jobs", "1",
+                                   "--workers", "2", "--seq-len", "32"), env=env, capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "1 of 1 problems have a winner" in r.stdout
+    name = tune.Problem(mask="none", dtype="fp16", batch=1, heads=2, kv_heads=2, seq_len=32,
+                        head_dim=32).study_name("interpreter")
+    study = optuna.load_study(study_name=name,
+                              storage=tune.open_storage(str(tmp_path / "cache" / "tune" / "studies.journal")))
+    done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert 10 <= len(done) <= 12 and len({t.number for t in done}) == len(done)
+    assert len({t.user_attrs["worker"] for t in done}) == 2  # both workers ran trials
