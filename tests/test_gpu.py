@@ -35,3 +35,24 @@ def test_bf16_ragged(q_len, kv_len):
         attention_forward(q, k, v, mask, return_lse=True, config=config, out=out, lse=lse)
         ref, ref_lse = attngen.reference.attention(q, k, v, mask, return_lse=True)
         assert_close(out, ref, torch.bfloat16, lse, ref_lse)
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_new_lengths_in_a_bucket_do_not_recompile(head_dim):
+    """Sequence lengths are run-time arguments: lengths sharing a registry bucket share the compiled kernel."""
+    from attngen import masks as masks_
+    from attngen.kernels.forward import kernel_for
+
+    kernel = kernel_for(masks_.as_mask("causal"))
+
+    def compiled():
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    q, k, v = rand_qkv(2, 4, 4, 1000, 1000, head_dim, torch.bfloat16, device="cuda")
+    attngen.attention(q, k, v, mask="causal")
+    before = compiled()
+    for seq in (1001, 1017, 1023, 1024):
+        q, k, v = rand_qkv(2, 4, 4, seq, seq, head_dim, torch.bfloat16, device="cuda")
+        out = attngen.attention(q, k, v, mask="causal")
+        assert_close(out, attngen.reference.attention(q, k, v, mask="causal"), torch.bfloat16)
+    assert compiled() == before
