@@ -44,13 +44,15 @@ def cmd_tune(args) -> int:
 
 
 def cmd_registry(args) -> int:
+    import torch
+
     from . import dispatch, registry
     from .checks import interpreter_on
 
     if args.gpu:
         gpu = args.gpu
-    elif torch_cuda_available() and not interpreter_on():
-        gpu = dispatch.gpu_of(__import__("torch").device("cuda"))
+    elif torch.cuda.is_available() and not interpreter_on():
+        gpu = dispatch.gpu_of(torch.device("cuda"))
     else:
         gpu = registry.INTERPRETER
     paths = dispatch.registry_paths()
@@ -78,12 +80,6 @@ def cmd_registry(args) -> int:
     for r in rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
     return 0
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -498,6 +498,18 @@ def same_device(a, b) -> bool:
     return a.index == b.index
 
 
+def index_env(q_idx: torch.Tensor, kv_idx: torch.Tensor, *, q_len: int, kv_len: int, batch: int, heads: int,
+              batches: int | None = None, head_count: int | None = None) -> dict:
+    """The names a mask expression sees: b, h, q_idx, kv_idx as broadcastable (B, H, Q, K) tensors
+    (b over `batches`, h over `head_count`: the call's sizes, or 1 where the mask is the same for all)."""
+    device = q_idx.device
+    nb = batch if batches is None else batches
+    nh = heads if head_count is None else head_count
+    return dict(b=torch.arange(nb, device=device).view(-1, 1, 1, 1), h=torch.arange(nh, device=device).view(1, -1, 1, 1),
+                q_idx=q_idx.view(1, 1, -1, 1), kv_idx=kv_idx.view(1, 1, 1, -1), q_len=q_len, kv_len=kv_len,
+                batch=batch, heads=heads)
+
+
 def _term_env(index: int, term: Term, bound: Bound, base: dict, dtype=None) -> dict:
     env = dict(base)
     for p in term.runtime:
@@ -619,13 +631,10 @@ def classify(bound: Bound | None, q_len: int, kv_len: int, block_size, *, batch:
     nb = batch if "b" in names else 1
     nh = heads if "h" in names else 1
     rows = max(bm, (_CHUNK_ELEMENTS // max(1, nb * nh * num_n * bn)) // bm * bm)
-    b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
-    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
     out = []
     for start in range(0, num_m * bm, rows):
         q = torch.arange(start, min(start + rows, num_m * bm), device=device)
-        env = dict(b=b, h=h, q_idx=q.view(1, 1, -1, 1), kv_idx=kv.view(1, 1, 1, -1), q_len=q_len,
-                   kv_len=kv_len, batch=batch, heads=heads)
+        env = index_env(q, kv, q_len=q_len, kv_len=kv_len, batch=batch, heads=heads, batches=nb, head_count=nh)
         vis = evaluate_visible(bound, env)
         vis = torch.as_tensor(vis, device=device).expand(nb, nh, q.numel(), kv.numel())
         q_in = (q < q_len).view(1, 1, -1, 1)

@@ -37,11 +37,8 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False):
     score = torch.matmul(q64, k64.transpose(-1, -2)) * scale
     if bound is not None:
         device = q.device
-        env = dict(b=torch.arange(shape.batch, device=device).view(-1, 1, 1, 1),
-                   h=torch.arange(shape.heads, device=device).view(1, -1, 1, 1),
-                   q_idx=torch.arange(shape.q_len, device=device).view(1, 1, -1, 1),
-                   kv_idx=torch.arange(shape.kv_len, device=device).view(1, 1, 1, -1),
-                   q_len=shape.q_len, kv_len=shape.kv_len, batch=shape.batch, heads=shape.heads)
+        env = masks_.index_env(torch.arange(shape.q_len, device=device), torch.arange(shape.kv_len, device=device),
+                               q_len=shape.q_len, kv_len=shape.kv_len, batch=shape.batch, heads=shape.heads)
         if mask.mods:
             score = masks_.apply_score_mods(bound, score, env)
         if mask.tree is not None:

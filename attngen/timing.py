@@ -24,10 +24,8 @@ def visible_pairs(mask, batch: int, heads: int, q_len: int, kv_len: int, device,
     total = 0
     for start in range(0, q_len, chunk):
         q = torch.arange(start, min(q_len, start + chunk), device=device)
-        env = dict(b=torch.arange(batch, device=device).view(-1, 1, 1, 1),
-                   h=torch.arange(heads, device=device).view(1, -1, 1, 1), q_idx=q.view(1, 1, -1, 1),
-                   kv_idx=torch.arange(kv_len, device=device).view(1, 1, 1, -1), q_len=q_len, kv_len=kv_len,
-                   batch=batch, heads=heads)
+        env = masks_.index_env(q, torch.arange(kv_len, device=device), q_len=q_len, kv_len=kv_len, batch=batch,
+                               heads=heads)
         visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=device)
         total += int(visible.expand(batch, heads, q.numel(), kv_len).sum())
     return total

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import random
 import socket
@@ -247,13 +246,10 @@ class Objective:
         if self.mask is not None:
             if _is_sdpa_causal(self.mask):
                 kwargs["is_causal"] = True
-            else:  # no SDPA form: the dense boolean mask a user would pass
-                env = dict(b=torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device),
-                           h=torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device),
-                           q_idx=torch.arange(self.problem.seq_len, device=self.device).view(1, 1, -1, 1),
-                           kv_idx=torch.arange(self.problem.seq_len, device=self.device).view(1, 1, 1, -1),
-                           q_len=self.problem.seq_len, kv_len=self.problem.seq_len, batch=self.problem.batch,
-                           heads=self.problem.heads)
+            else:  # no SDPA form: the dense boolean mask a user would pass (that of batch 0, head 0)
+                p, positions = self.problem, torch.arange(self.problem.seq_len, device=self.device)
+                env = masks_.index_env(positions, positions, q_len=p.seq_len, kv_len=p.seq_len, batch=p.batch,
+                                       heads=p.heads, batches=1, head_count=1)
                 bound = masks_.bind(self.mask, batch=self.problem.batch, heads=self.problem.heads,
                                     q_len=self.problem.seq_len, kv_len=self.problem.seq_len, device=self.device)
                 kwargs["attn_mask"] = masks_.evaluate_visible(bound, env)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import attngen
 from attngen import masks as masks_
 from attngen.checks import check_qkv
-from attngen.kernels.forward import launch_args, tma_eligible
+from attngen.kernels.forward import blocks, launch_args, tma_eligible
 
 
 def per_call_us(fn, calls=2000, rounds=7) -> float:
@@ -46,10 +46,7 @@ def raw_launch(q, k, v, mask):
     shape = check_qkv(q, k, v, kernel=True)
     m = masks_.as_mask(mask)
     config = attngen.dispatch.choose(q, k, v, m).config
-    bound = masks_.bind(m, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
-                        device=q.device)
-    structure = masks_.block_structure(m, shape.q_len, shape.kv_len, (config.block_m, config.block_n),
-                                       batch=shape.batch, heads=shape.heads, device=q.device, bound=bound)
+    bound, structure = blocks(q, m, shape, config)
     out = torch.empty_like(q)
     kernel, grid, args, kwargs = launch_args(q, k, v, out, None, bound, structure, shape, 1 / shape.head_dim ** 0.5,
                                              config, config.use_tma and tma_eligible(q, k, v))

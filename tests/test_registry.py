@@ -1,7 +1,6 @@
 """The tuned registry: keys, file round trips, merging, lookups, bad content, concurrent writers."""
 
 import dataclasses
-import os
 import random
 import subprocess
 import sys

@@ -44,6 +44,12 @@ def attngen_cmd(*args):
     return [sys.executable, "-m", "attngen", *args]
 
 
+def run_tune(tmp_path, *args):
+    """`attngen tune --interpret ARGS` in its own process, with the test's cache and registry."""
+    return subprocess.run(attngen_cmd("tune", "--interpret", *args), env=env_for(tmp_path), capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
+
+
 # ---------------------------------------------------------------------------------------
 # search spaces
 # ---------------------------------------------------------------------------------------
@@ -137,9 +143,7 @@ def test_repeated_configs_are_not_measured_twice(objective, monkeypatch):
 # ---------------------------------------------------------------------------------------
 def test_tune_writes_a_registry_the_dispatcher_uses(tmp_path):
     env = env_for(tmp_path)
-    r = subprocess.run(attngen_cmd("tune", "--interpret", "--mask", "causal", "--trials", "4", "--jobs", "2",
-                                   "--seq-len", "48", "--seed", "1"), env=env, capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300)
+    r = run_tune(tmp_path, "--mask", "causal", "--trials", "4", "--jobs", "2", "--seq-len", "48", "--seed", "1")
     assert r.returncode == 0, r.stderr
     assert "running under Triton's interpreter" in r.stderr
     assert "1 of 1 problems have a winner" in r.stdout and "causal(align='top_left')" in r.stdout
@@ -354,10 +358,7 @@ def test_fast_path_matches_the_checked_path(clean_dispatch):
 
 def test_workers_share_one_study(tmp_path):
     """--workers 2: two processes on the default journal storage split one study's trials."""
-    env = env_for(tmp_path)
-    r = subprocess.run(attngen_cmd("tune", "--interpret", "--mask", "none", "--trials", "10", "--jobs", "1",
-                                   "--workers", "2", "--seq-len", "32"), env=env, capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300)
+    r = run_tune(tmp_path, "--mask", "none", "--trials", "10", "--jobs", "1", "--workers", "2", "--seq-len", "32")
     assert r.returncode == 0, r.stderr
     assert "1 of 1 problems have a winner" in r.stdout
     name = tune.Problem(mask="none", dtype="fp16", batch=1, heads=2, kv_heads=2, seq_len=32,

@@ -101,6 +101,15 @@ def launch_args(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shap
     return kernel, grid, args, kwargs
 
 
+def blocks(q, mask, shape, config: KernelConfig):
+    """(bound mask, block structure) of one call, at the config's tile size."""
+    bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                        device=q.device)
+    structure = masks_.block_structure(mask, shape.q_len, shape.kv_len, (config.block_m, config.block_n),
+                                       batch=shape.batch, heads=shape.heads, device=q.device, bound=bound)
+    return bound, structure
+
+
 def launch(*args):
     """Launch the kernel (arguments as for launch_args)."""
     kernel, grid, args, kwargs = launch_args(*args)
@@ -115,10 +124,7 @@ class Plan:
     """
 
     def __init__(self, q, k, v, mask, shape, scale: float, return_lse: bool, config: KernelConfig):
-        bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
-                            device=q.device)
-        structure = masks_.block_structure(mask, shape.q_len, shape.kv_len, (config.block_m, config.block_n),
-                                           batch=shape.batch, heads=shape.heads, device=q.device, bound=bound)
+        bound, structure = blocks(q, mask, shape, config)
         out = torch.empty_like(q)
         lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device)
         self.lse_shape = tuple(lse.shape) if return_lse else None
@@ -155,11 +161,8 @@ def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, confi
 
 
 def forward(q, k, v, mask, shape, scale: float, return_lse: bool, config: KernelConfig, out=None, lse=None):
-    """attention_forward on checked arguments (the dispatcher's hot path)."""
-    bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
-                        device=q.device)
-    structure = masks_.block_structure(mask, shape.q_len, shape.kv_len, (config.block_m, config.block_n),
-                                       batch=shape.batch, heads=shape.heads, device=q.device, bound=bound)
+    """attention_forward on checked arguments (the dispatcher's fully checked path)."""
+    bound, structure = blocks(q, mask, shape, config)
     if out is None:
         out = torch.empty_like(q)
     if return_lse and lse is None:
