@@ -7,10 +7,11 @@
 
 __version__ = "0.1.0"
 
-from . import reference  # noqa: E402
+from . import layouts, reference  # noqa: E402
 from .dispatch import attention, explain, use_registry  # noqa: E402
+from .layouts import block_sparse  # noqa: E402
 from .masks import Mask, mask, register_template_dir, templates  # noqa: E402
 from .render import TemplateError  # noqa: E402
 
-__all__ = ["attention", "explain", "use_registry", "mask", "Mask", "register_template_dir", "templates", "reference",
-           "TemplateError", "__version__"]
+__all__ = ["attention", "explain", "use_registry", "mask", "Mask", "block_sparse", "layouts", "register_template_dir",
+           "templates", "reference", "TemplateError", "__version__"]

@@ -11,7 +11,13 @@ A template is a small YAML file (`templates/masks/*.yaml`, or a folder of the us
 Parameter types: `int` and `float` are run-time scalars (kernel arguments: a new value never
 recompiles); `bool` and `choice` are static (Jinja variables inside `expr`, so they pick the
 kernel's structure); `tensor` has a `shape` made of `batch`, `heads`, `q_len`, `kv_len`
-(a size of 1 broadcasts for `batch` and `heads`) and a `dtype` of `int` or `float`.
+(a size of 1 broadcasts for `batch` and `heads`) or `q_len/P`, `kv_len/P` (the length divided
+by the template's int parameter P, rounded up: one entry per block of P positions), and a
+`dtype` of `int`, `float` or `bool`.
+
+A template whose predicate is one value per (block_m x block_n) block of a tensor says so with
+`block_layout: <tensor parameter>` (shape [batch, heads, q_len/block_m, kv_len/block_n]): its
+tiles are then classified from the layout alone, without evaluating the expression per position.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from .render import TemplateError, render_string
 PARAM_TYPES = ("int", "float", "bool", "choice", "tensor")
 TENSOR_DIMS = ("batch", "heads", "q_len", "kv_len")
 BROADCAST_DIMS = ("batch", "heads")
+TENSOR_DTYPES = ("int", "float", "bool")
 _MISSING = object()
 
 
@@ -97,12 +104,31 @@ class Param:
             if value.dim() != len(self.shape):
                 raise ValueError(f"{where} must have {len(self.shape)} dimension(s) ({', '.join(self.shape)}), "
                                  f"got shape {tuple(value.shape)}")
-            is_int = not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
-            if (self.dtype == "int") != is_int or value.is_complex():
+            if _tensor_kind(value) != self.dtype:
                 raise TypeError(f"{where} must be a {self.dtype} tensor, got {value.dtype}")
         if self.min is not None and self.type in ("int", "float") and value < self.min:
             raise ValueError(f"{where} must be >= {self.min:g}, got {value!r}")
         return value
+
+
+def _tensor_kind(t: torch.Tensor) -> str:
+    if t.dtype == torch.bool:
+        return "bool"
+    if t.is_complex():
+        return "complex"
+    return "float" if t.is_floating_point() else "int"
+
+
+def split_dim(dim: str) -> tuple[str, str | None]:
+    """`q_len/block_m` -> ("q_len", "block_m"); `heads` -> ("heads", None)."""
+    base, _, divisor = dim.partition("/")
+    return base, (divisor or None)
+
+
+def dim_size(dim: str, sizes: dict, values: dict) -> int:
+    """The size a tensor dimension must have in one call (`values`: the term's parameter values)."""
+    base, divisor = split_dim(dim)
+    return sizes[base] if divisor is None else -(-sizes[base] // values[divisor])
 
 
 @dataclass(frozen=True)
@@ -114,6 +140,7 @@ class Template:
     params: dict[str, Param] = field(hash=False)
     expr_text: str
     expr_line: int  # line of `expr:` in the file, for error messages
+    block_layout: str | None = None  # the tensor parameter that is the predicate, block by block
 
     def expression(self, static: dict) -> Expr:
         """Render the expression with the static parameters and parse it."""
@@ -148,10 +175,12 @@ def _parse_param(path: Path, name: str, spec) -> Param:
     if kind == "choice" and not param.choices:
         raise TemplateError(f"{where}: a choice needs `choices`")
     if kind == "tensor":
-        if not param.shape or any(d not in TENSOR_DIMS for d in param.shape):
-            raise TemplateError(f"{where}: a tensor needs a `shape` made of {', '.join(TENSOR_DIMS)}")
-        if param.dtype not in ("int", "float"):
-            raise TemplateError(f"{where}: dtype must be int or float")
+        if not param.shape or any(split_dim(d)[0] not in TENSOR_DIMS for d in param.shape) \
+                or any(split_dim(d)[1] is not None and split_dim(d)[0] not in ("q_len", "kv_len") for d in param.shape):
+            raise TemplateError(f"{where}: a tensor needs a `shape` made of {', '.join(TENSOR_DIMS)}, "
+                                "q_len/P or kv_len/P (P an int parameter)")
+        if param.dtype not in TENSOR_DTYPES:
+            raise TemplateError(f"{where}: dtype must be one of {', '.join(TENSOR_DTYPES)}")
         if not param.required:
             raise TemplateError(f"{where}: a tensor parameter cannot have a default")
     if not param.required:
@@ -173,7 +202,7 @@ def load_template(path: Path) -> Template:
         raise TemplateError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict) or "expr" not in data:
         raise TemplateError(f"{path}: a template is a mapping with at least `expr` (and `doc`, `kind`, `params`)")
-    unknown = set(data) - {"doc", "kind", "params", "expr"}
+    unknown = set(data) - {"doc", "kind", "params", "expr", "block_layout"}
     if unknown:
         raise TemplateError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
     kind = data.get("kind", "mask")
@@ -188,8 +217,23 @@ def load_template(path: Path) -> Template:
         if not str(name).isidentifier() or name in INDEX_NAMES or name == SCORE_NAME:
             raise TemplateError(f"{path}: bad parameter name {name!r}")
         params[name] = _parse_param(path, name, spec)
+    for param in params.values():
+        for divisor in (split_dim(d)[1] for d in param.shape):
+            if divisor is not None and (divisor not in params or params[divisor].type != "int"
+                                        or params[divisor].min is None or params[divisor].min < 1):
+                raise TemplateError(f"{path}: parameter {param.name!r}: the size of a dimension divides by "
+                                    f"{divisor!r}, which must be an int parameter with min >= 1")
+    layout = data.get("block_layout")
+    if layout is not None:
+        shape = params[layout].shape if layout in params and params[layout].type == "tensor" else ()
+        if len(shape) != 4 or shape[:2] != ("batch", "heads") or split_dim(shape[2])[0] != "q_len" \
+                or split_dim(shape[3])[0] != "kv_len" or None in (split_dim(shape[2])[1], split_dim(shape[3])[1]):
+            raise TemplateError(f"{path}: block_layout must name a tensor parameter of shape "
+                                "[batch, heads, q_len/<int param>, kv_len/<int param>]")
+        if kind != "mask":
+            raise TemplateError(f"{path}: block_layout is for masks, not score modifiers")
     template = Template(name=path.stem, path=path, kind=kind, doc=str(data.get("doc", "")).strip(),
-                        params=params, expr_text=str(data["expr"]), expr_line=expr_line)
+                        params=params, expr_text=str(data["expr"]), expr_line=expr_line, block_layout=layout)
     return template
 
 
@@ -432,11 +476,16 @@ def scalar_params(m: Mask | None) -> list[str]:
 def _renames(index: int, term: Term):
     rename, tensors = {}, {}
     for p in term.runtime:
-        names = _arg_names(index, p)
+        if p.type != "tensor":
+            rename[p.name] = _arg_names(index, p)[0]
+    for p in term.runtime:
         if p.type == "tensor":
-            tensors[p.name] = TensorRef(pointer=names[0], strides=tuple(names[1:]), sizes=p.shape)
-        else:
-            rename[p.name] = names[0]
+            names = _arg_names(index, p)
+            sizes = []
+            for dim in p.shape:
+                base, divisor = split_dim(dim)
+                sizes.append(base if divisor is None else f"(({base} + {rename[divisor]} - 1) // {rename[divisor]})")
+            tensors[p.name] = TensorRef(pointer=names[0], strides=tuple(names[1:]), sizes=tuple(sizes))
     return rename, tensors
 
 
@@ -472,18 +521,18 @@ def bind(m: Mask | None, *, batch: int, heads: int, q_len: int, kv_len: int, dev
                 args.append(value)
                 env[_arg_names(i, p)[0]] = value
                 continue
-            strides = []
-            for d, (dim, n) in enumerate(zip(p.shape, value.shape)):
-                if n != sizes[dim] and not (n == 1 and dim in BROADCAST_DIMS):
+            strides, expected = [], [dim_size(dim, sizes, term.values) for dim in p.shape]
+            for d, (dim, n, want) in enumerate(zip(p.shape, value.shape, expected)):
+                if n != want and not (n == 1 and dim in BROADCAST_DIMS):
                     broadcast = " (or 1)" if dim in BROADCAST_DIMS else ""
                     raise ValueError(f"mask {term.template.name!r} parameter {p.name!r}: dimension {d} ({dim}) "
-                                     f"has size {n}, expected {sizes[dim]}{broadcast}; shape {tuple(value.shape)}")
-                strides.append(0 if n == 1 and sizes[dim] != 1 else value.stride(d))
+                                     f"has size {n}, expected {want}{broadcast}; shape {tuple(value.shape)}")
+                strides.append(0 if n == 1 and want != 1 else value.stride(d))
             if not same_device(value.device, device):
                 raise ValueError(f"mask {term.template.name!r} parameter {p.name!r} is on {value.device}, "
                                  f"but q is on {device}")
             args += [value] + strides
-            env[_arg_names(i, p)[0]] = value.expand(*[sizes[d] for d in p.shape])
+            env[_arg_names(i, p)[0]] = value.expand(*expected)
     return Bound(m, args, env)
 
 
@@ -520,8 +569,8 @@ def _term_env(index: int, term: Term, bound: Bound, base: dict, dtype=None) -> d
     return env
 
 
-def evaluate_visible(bound: Bound, index_env: dict):
-    """The mask's predicate evaluated with torch over the index tensors in `index_env`."""
+def evaluate_visible(bound: Bound, index_env: dict, node=_MISSING):
+    """The mask's predicate (or the part `node` of its tree) evaluated with torch over `index_env`."""
     terms = bound.mask.terms()
     index = {id(t): i for i, t in enumerate(terms)}
 
@@ -531,7 +580,7 @@ def evaluate_visible(bound: Bound, index_env: dict):
         left, right = walk(node[1]), walk(node[2])
         return (left & right) if node[0] == "&" else (left | right)
 
-    return walk(bound.mask.tree)
+    return walk(bound.mask.tree if node is _MISSING else node)
 
 
 def apply_score_mods(bound: Bound, score: torch.Tensor, index_env: dict) -> torch.Tensor:
@@ -545,10 +594,16 @@ def apply_score_mods(bound: Bound, score: torch.Tensor, index_env: dict) -> torc
     return score
 
 
-def predicate_names(m: Mask) -> set[str]:
-    """Index names the predicate depends on (tells whether blocks differ by batch or head)."""
+def _tree_terms(node) -> list[Term]:
+    if isinstance(node, Term):
+        return [node]
+    return [] if node is None else _tree_terms(node[1]) + _tree_terms(node[2])
+
+
+def predicate_names(node) -> set[str]:
+    """Index names a predicate (tree) depends on (tells whether blocks differ by batch or head)."""
     names = set()
-    for t in m.terms()[:len(m.terms()) - len(m.mods)]:
+    for t in _tree_terms(node):
         names |= t.expr.names
     return names
 
@@ -618,16 +673,41 @@ _STRUCTURE_CACHE_SIZE = 64
 
 def classify(bound: Bound | None, q_len: int, kv_len: int, block_size, *, batch: int, heads: int,
              device) -> torch.Tensor:
-    """(B', H', num_m, num_n) int8 classes, B' = batch if the mask uses `b` else 1 (same for H')."""
+    """(B', H', num_m, num_n) int8 classes, B' = batch if the mask uses `b` else 1 (same for H').
+
+    A tile the kernel must bounds-check (it reaches past kv_len) is never FULL.
+    """
+    bm, bn = block_size
+    num_m, num_n = math.ceil(q_len / bm), math.ceil(kv_len / bn)
+    if bound is None or bound.mask.tree is None:
+        full_cols = (torch.arange(num_n * bn, device=device) < kv_len).view(num_n, bn).all(-1)
+        classes = torch.where(full_cols, FULL, PARTIAL).to(torch.int8)
+        return classes.expand(1, 1, num_m, num_n).contiguous()
+    return _classify_node(bound, bound.mask.tree, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
+
+
+def _classify_node(bound: Bound, node, q_len, kv_len, block_size, *, batch, heads, device) -> torch.Tensor:
+    """Block layouts are read block by block; the rest of the tree is evaluated per position.
+
+    Where a tree mixes the two, `&` takes the weaker class of its sides and `|` the stronger one
+    (EMPTY < PARTIAL < FULL): never wrong, at worst a tile is visited that is in fact empty.
+    """
+    if isinstance(node, Term) and node.template.block_layout is not None:
+        return _classify_layout(node, q_len, kv_len, block_size, device)
+    if not any(t.template.block_layout is not None for t in _tree_terms(node)):
+        return _classify_positions(bound, node, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
+    sides = [_classify_node(bound, child, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
+             for child in node[1:]]
+    return (torch.minimum if node[0] == "&" else torch.maximum)(*sides)
+
+
+def _classify_positions(bound: Bound, node, q_len, kv_len, block_size, *, batch, heads, device) -> torch.Tensor:
+    """Evaluate the predicate `node` position by position, a band of query rows at a time."""
     bm, bn = block_size
     num_m, num_n = math.ceil(q_len / bm), math.ceil(kv_len / bn)
     kv = torch.arange(num_n * bn, device=device)
     kv_in = kv < kv_len
-    if bound is None or bound.mask.tree is None:
-        full_cols = kv_in.view(num_n, bn).all(-1)
-        classes = torch.where(full_cols, FULL, PARTIAL).to(torch.int8)
-        return classes.expand(1, 1, num_m, num_n).contiguous()
-    names = predicate_names(bound.mask)
+    names = predicate_names(node)
     nb = batch if "b" in names else 1
     nh = heads if "h" in names else 1
     rows = max(bm, (_CHUNK_ELEMENTS // max(1, nb * nh * num_n * bn)) // bm * bm)
@@ -635,7 +715,7 @@ def classify(bound: Bound | None, q_len: int, kv_len: int, block_size, *, batch:
     for start in range(0, num_m * bm, rows):
         q = torch.arange(start, min(start + rows, num_m * bm), device=device)
         env = index_env(q, kv, q_len=q_len, kv_len=kv_len, batch=batch, heads=heads, batches=nb, head_count=nh)
-        vis = evaluate_visible(bound, env)
+        vis = evaluate_visible(bound, env, node)
         vis = torch.as_tensor(vis, device=device).expand(nb, nh, q.numel(), kv.numel())
         q_in = (q < q_len).view(1, 1, -1, 1)
         seen = vis & q_in & kv_in
@@ -645,6 +725,41 @@ def classify(bound: Bound | None, q_len: int, kv_len: int, block_size, *, batch:
         all_ = whole.reshape(tiles).all(dim=5).all(dim=3)
         out.append(torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8))
     return torch.cat(out, dim=2)
+
+
+def _classify_layout(term: Term, q_len, kv_len, block_size, device) -> torch.Tensor:
+    """Tile classes of a block layout, at a tile size that may differ from the layout's blocks."""
+    shape = term.template.params[term.template.block_layout].shape
+    layout_m, layout_n = (term.values[split_dim(d)[1]] for d in shape[2:])
+    layout = term.values[term.template.block_layout].to(device=device, dtype=torch.bool)
+    any_, all_ = _tiles_of_last_dim(layout.transpose(2, 3), layout.transpose(2, 3), layout_m, block_size[0], q_len,
+                                    bounded=False)
+    any_, all_ = _tiles_of_last_dim(any_.transpose(2, 3), all_.transpose(2, 3), layout_n, block_size[1], kv_len,
+                                    bounded=True)
+    return torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8).contiguous()
+
+
+def _tiles_of_last_dim(any_, all_, block: int, tile: int, length: int, bounded: bool):
+    """Regroup the last dim from layout blocks of `block` positions to tiles of `tile` positions.
+
+    Both are cut into chunks of gcd(block, tile) positions, each inside one layout block; a tile
+    is `any` if one of its chunks is, `all` if every chunk is. Positions past `length` count as
+    nothing for `any`; for `all` they do not spoil a tile, unless `bounded` (keys: the kernel must
+    bounds-check such a tile, so it is never FULL).
+    """
+    g = math.gcd(block, tile)
+    chunks = math.ceil(length / tile) * (tile // g)
+
+    def regroup(x):
+        x = x.repeat_interleave(block // g, dim=-1)[..., :chunks]
+        pad = chunks - x.shape[-1]
+        return torch.cat([x, x.new_zeros(x.shape[:-1] + (pad,))], dim=-1) if pad > 0 else x
+
+    start = torch.arange(chunks, device=any_.device) * g
+    any_ = regroup(any_) & (start < length)
+    all_ = regroup(all_) & (start + g <= length) if bounded else regroup(all_) | (start >= length)
+    tiles = any_.shape[:-1] + (chunks * g // tile, tile // g)
+    return any_.reshape(tiles).any(-1), all_.reshape(tiles).all(-1)
 
 
 def block_structure(m: Mask | None, q_len: int, kv_len: int, block_size, *, batch: int = 1, heads: int = 1,

@@ -23,6 +23,13 @@ def _alibi(b, h, sq, sk, dev):
     return attngen.mask("alibi", slopes=slopes(h, dev))
 
 
+def _layout(b, h, sq, sk, dev):
+    """Random blocks of 64 x 48 positions per (batch, head), the second row of query blocks empty."""
+    layout = attngen.layouts.random(sq, sk, (64, 48), density=0.5, seed=sq * 1000 + sk, batch=b, heads=h, device=dev)
+    layout[:, :, 1:2] = False
+    return attngen.block_sparse(layout, (64, 48))
+
+
 M = attngen.mask
 ZOO = {
     "none": lambda b, h, sq, sk, dev: None,
@@ -37,7 +44,13 @@ ZOO = {
     "chunked": lambda b, h, sq, sk, dev: M("chunked", chunk=48),
     "alibi": _alibi,
     "softcap": lambda b, h, sq, sk, dev: M("softcap", cap=3.0),
+    "block_sparse": _layout,
+    "block_sparse_shared": lambda b, h, sq, sk, dev: attngen.block_sparse(  # one (Sq blocks, Sk blocks) layout
+        attngen.layouts.strided(sq, sk, (16, 16), local=2, stride=3, device=dev)[0, 0], (16, 16)),
     # combinations
+    "block_sparse&causal": lambda b, h, sq, sk, dev: _layout(b, h, sq, sk, dev) & M("causal"),
+    "block_sparse|sliding_window&softcap": lambda b, h, sq, sk, dev: (
+        (_layout(b, h, sq, sk, dev) | M("sliding_window", window=30)) & M("softcap", cap=3.0)),
     "causal&document": lambda b, h, sq, sk, dev: M("causal") & _doc(b, h, sq, sk, dev),
     "sliding_window|prefix_lm": lambda b, h, sq, sk, dev: M("sliding_window", window=16) | M("prefix_lm", prefix=40),
     "chunked&causal&softcap": lambda b, h, sq, sk, dev: M("chunked", chunk=64) & M("causal") & M("softcap", cap=2.0),

@@ -21,7 +21,7 @@ def qkv(q_shape=(1, 4, 8, 16), k_shape=(1, 2, 8, 16), dtype=torch.float16, devic
     (qkv(dtype=torch.float64), {}, TypeError, "q has dtype torch.float64; supported: float16, bfloat16, float32"),
     ((torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16)), {}, TypeError,
      "k has dtype torch.float16 but q has torch.float32"),
-    (qkv(), {"mask": "no_such_mask"}, ValueError, r"unknown mask 'no_such_mask'; known: alibi, causal, chunked"),
+    (qkv(), {"mask": "no_such_mask"}, ValueError, r"unknown mask 'no_such_mask'; known: alibi, block_sparse, causal, chunked"),
     (qkv(), {"mask": 3}, TypeError, "mask must be None, a mask name or an attngen mask object, got int"),
     (qkv(), {"mask": "sliding_window"}, TypeError, r"mask 'sliding_window' is missing parameter 'window' \(window: int >= 1\)"),
     (qkv(), {"scale": "big"}, TypeError, "scale must be a float or None, got str"),

@@ -115,7 +115,8 @@ def test_causal_on_band_split():
     assert dense.full_num.flatten().tolist() == [1, 1] and dense.partial_num.flatten().tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "chunked", "prefix_lm"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "chunked", "prefix_lm", "block_sparse",
+                                  "block_sparse&causal", "block_sparse_shared"])
 def test_block_classes_match_brute_force(name):
     from masks_zoo import ZOO
 

@@ -107,7 +107,7 @@ def test_rendered_source_is_cached_and_reused_across_processes(tmp_path):
 
 def test_every_builtin_template_renders():
     builtin = masks_.template_dirs()[0]
-    assert len(list(builtin.glob("*.yaml"))) == 7
+    assert len(list(builtin.glob("*.yaml"))) == 8
     for name, template in masks_.templates().items():
         source = render_source(masks_.parse_spec(name, partial=True))
         compile(source, name, "exec")
