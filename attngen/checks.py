@@ -9,6 +9,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+MAX_TOPK = 1024
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,26 @@ def check_qkv(q, k, v, *, kernel: bool) -> Shape:
                 raise ValueError("q, k and v are CPU tensors; attngen kernels run on a CUDA device, or on the CPU "
                                  "under Triton's interpreter (set TRITON_INTERPRET=1 before triton is imported)")
     return Shape(batch, heads, kv_heads, q_len, kv_len, head_dim)
+
+
+def check_topk(topk, kv_len: int) -> int:
+    """The number of scores each row keeps; 0 for all of them (topk None, or >= the key length)."""
+    if topk is None:
+        return 0
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise TypeError(f"topk must be an int or None, got {type(topk).__name__}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1 (or None for plain softmax), got {topk}")
+    if topk >= kv_len:
+        return 0  # every row keeps all the keys it sees
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk={topk} is over the supported {MAX_TOPK} (for k and v of length {kv_len})")
+    return topk
+
+
+def topk_pad(topk: int) -> int:
+    """The kernel's buffer width for `topk`: the next power of two (0 when topk is 0)."""
+    return 0 if topk == 0 else 1 << (topk - 1).bit_length()
 
 
 def check_scale(scale, head_dim: int) -> float:

@@ -21,8 +21,8 @@ import torch
 
 from . import masks as masks_
 from . import registry as registry_
-from .checks import check_qkv, check_scale
-from .config import DEFAULTS, KernelConfig, arch_of, default_config
+from .checks import check_qkv, check_scale, check_topk, topk_pad
+from .config import DEFAULTS, KernelConfig, arch_of, default_config, for_topk
 from .kernels.forward import AttentionFunction, Plan, forward
 
 log = logging.getLogger("attngen")
@@ -84,16 +84,24 @@ def registry_for(gpu: str) -> registry_.Registry:
     return reg
 
 
-def _choose(q, shape, mask: masks_.Mask | None) -> Choice:
+def variant_of(mask: masks_.Mask | None, topk: int = 0) -> str:
+    """The registry's name of a kernel variant: the mask's, plus `topk(<buffer width>)` for top-k softmax."""
+    base = mask.variant if mask is not None else "none"
+    if not topk:
+        return base
+    return f"topk({topk_pad(topk)})" if mask is None else f"{base} & topk({topk_pad(topk)})"
+
+
+def _choose(q, shape, mask: masks_.Mask | None, topk: int = 0) -> Choice:
     bucket = registry_.seq_bucket(shape.kv_len)
     rows = max(16, 1 << max(0, shape.q_len - 1).bit_length())
     cache_key = (q.device, q.dtype, shape.head_dim, bucket, shape.group, mask.key if mask is not None else None,
-                 min(rows, 1 << 20))
+                 min(rows, 1 << 20), topk_pad(topk))
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
     gpu = gpu_of(q.device)
-    variant = mask.variant if mask is not None else "none"
+    variant = variant_of(mask, topk)
     key = registry_.EntryKey(variant=variant, direction="fwd", dtype=DTYPE_NAMES[q.dtype], head_dim=shape.head_dim,
                              seq_bucket=bucket, group=shape.group)
     found = registry_for(gpu).lookup(key)
@@ -105,6 +113,9 @@ def _choose(q, shape, mask: masks_.Mask | None) -> Choice:
         config = default_config(arch, shape.head_dim)
         bound = next(d for d, _ in DEFAULTS.get(arch, DEFAULTS["generic"]) if shape.head_dim <= d)
         source = f"no registry entry for {gpu}; default config for {arch}, head dim <= {bound}"
+        if topk:
+            config = for_topk(config, topk_pad(topk))
+            source += f", block_m <= {config.block_m} for the top-k buffer"
     if rows < config.block_m:  # a short query (decoding) fills a smaller tile
         config = replace(config, block_m=rows)
         source += f"; block_m cut to {rows} for q_len {shape.q_len}"
@@ -114,26 +125,29 @@ def _choose(q, shape, mask: masks_.Mask | None) -> Choice:
     return choice
 
 
-def choose(q, k, v, mask=None) -> Choice:
+def choose(q, k, v, mask=None, *, topk=None) -> Choice:
     """The config a call with these inputs would run, and where it came from."""
     shape = check_qkv(q, k, v, kernel=True)
-    return _choose(q, shape, masks_.as_mask(mask))
+    return _choose(q, shape, masks_.as_mask(mask), check_topk(topk, shape.kv_len))
 
 
-def explain(q, k, v, mask=None) -> str:
-    """Says which config `attention(q, k, v, mask=mask)` would use, and why."""
+def explain(q, k, v, mask=None, *, topk=None) -> str:
+    """Says which config `attention(q, k, v, mask=mask, topk=topk)` would use, and why."""
     m = masks_.as_mask(mask)
-    choice = choose(q, k, v, m)
-    variant = m.variant if m is not None else "none"
-    return f"mask {variant}; {q.dtype}; config {choice.config}; from {choice.source}"
+    shape = check_qkv(q, k, v, kernel=True)
+    effective = check_topk(topk, shape.kv_len)
+    choice = _choose(q, shape, m, effective)
+    return f"variant {variant_of(m, effective)}; {q.dtype}; config {choice.config}; from {choice.source}"
 
 
-def attention(q, k, v, mask=None, *, scale=None, return_lse=False):
+def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None):
     """Attention of q (B, Hq, Sq, D) over k, v (B, Hkv, Sk, D) with an optional mask.
 
     mask: None, a template name ("causal") or a mask object (attngen.mask(...), combined with & |).
     scale: defaults to 1 / sqrt(D). Returns the output (q's dtype and shape), or (output, lse) with
     return_lse=True, lse being the natural-log log-sum-exp of every row, fp32, shape (B, Hq, Sq).
+    topk: top-k softmax: each row's softmax runs over its `topk` largest scores among the keys the
+    mask shows (every score equal to the topk-th largest is kept too); None or >= Sk: all of them.
     """
     m = masks_.as_mask(mask)
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
@@ -141,28 +155,30 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False):
             and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         # fast path: one prepared launch per call signature
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, None if m is None else m.call_key, scale, return_lse)
+               q.device, k.device, v.device, None if m is None else m.call_key, scale, return_lse, topk)
         plan = _plans.get(key)
         if plan is None:
             shape = check_qkv(q, k, v, kernel=True)
             if shape.q_len == 0:
-                return _slow(q, k, v, m, scale, return_lse, grad)
+                return _slow(q, k, v, m, scale, return_lse, topk, grad)
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
-            plan = _plans[key] = Plan(q, k, v, m, shape, check_scale(scale, shape.head_dim), return_lse,
-                                      _choose(q, shape, m).config)
+            effective = check_topk(topk, shape.kv_len)
+            plan = _plans[key] = Plan(q, k, v, m, shape, check_scale(scale, shape.head_dim), effective, return_lse,
+                                      _choose(q, shape, m, effective).config)
         out, lse = plan.run(q, k, v)
         return (out, lse) if return_lse else out
-    return _slow(q, k, v, m, scale, return_lse, grad)
+    return _slow(q, k, v, m, scale, return_lse, topk, grad)
 
 
-def _slow(q, k, v, m, scale, return_lse, grad):
+def _slow(q, k, v, m, scale, return_lse, topk, grad):
     """Every call checked in full: autograd, masks with tensor parameters, empty queries."""
     shape = check_qkv(q, k, v, kernel=True)
-    config = _choose(q, shape, m).config
+    topk = check_topk(topk, shape.kv_len)
+    config = _choose(q, shape, m, topk).config
     scale = check_scale(scale, shape.head_dim)
     if grad:
-        out, lse = AttentionFunction.apply(q, k, v, m, shape, scale, return_lse, config)
+        out, lse = AttentionFunction.apply(q, k, v, m, shape, scale, topk, return_lse, config)
     else:
-        out, lse = forward(q, k, v, m, shape, scale, return_lse, config)
+        out, lse = forward(q, k, v, m, shape, scale, topk, return_lse, config)
     return (out, lse) if return_lse else out

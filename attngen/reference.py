@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import masks as masks_
-from .checks import check_qkv, check_scale
+from .checks import check_qkv, check_scale, check_topk
 
 # Largest relative norm error ||out - ref|| / ||ref|| a kernel may show, by input dtype. The tests
 # and the tuner's correctness gate both use this table.
@@ -20,13 +20,17 @@ TOLERANCE = {
 }
 
 
-def attention(q, k, v, mask=None, *, scale=None, return_lse=False):
+def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None):
     """Same signature as `attngen.attention`; computes in float64 and returns float64 tensors.
 
-    A row whose every key the mask hides gets output 0 and LSE -inf.
+    A row whose every key the mask hides gets output 0 and LSE -inf. With `topk`, a row's softmax
+    runs over the scores (after score modifiers) that are >= its topk-th largest visible score:
+    the topk largest, and every other score equal to the topk-th (ties are all kept). A row that
+    sees fewer than topk keys keeps them all.
     """
     shape = check_qkv(q, k, v, kernel=False)
     scale = check_scale(scale, shape.head_dim)
+    topk = check_topk(topk, shape.kv_len)
     mask = masks_.as_mask(mask)
     bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
                         device=q.device)
@@ -44,6 +48,9 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False):
         if mask.tree is not None:
             visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=device)
             score = score.masked_fill(~visible.expand_as(score), float("-inf"))
+    if topk:
+        threshold = score.topk(topk, dim=-1).values[..., -1:]  # -inf where fewer than topk are visible
+        score = score.masked_fill(score < threshold, float("-inf"))
     row_max = score.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # empty rows
     weights = torch.exp(score - row_max)

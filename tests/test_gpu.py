@@ -56,3 +56,25 @@ def test_new_lengths_in_a_bucket_do_not_recompile(head_dim):
         out = attngen.attention(q, k, v, mask="causal")
         assert_close(out, attngen.reference.attention(q, k, v, mask="causal"), torch.bfloat16)
     assert compiled() == before
+
+
+@pytest.mark.parametrize("topk", [1, 64, 256, 1024])
+@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_topk_realistic(topk, mask, dtype):
+    """Top-k softmax through the public API at a training-like shape, every buffer width class."""
+    q, k, v = rand_qkv(2, 8, 2, 2048, 2048, 128, dtype, device="cuda")
+    out, lse = attngen.attention(q, k, v, mask=mask, topk=topk, return_lse=True)
+    ref, ref_lse = attngen.reference.attention(q, k, v, mask=mask, topk=topk, return_lse=True)
+    assert_close(out, ref, dtype, lse, ref_lse)
+
+
+@pytest.mark.parametrize("density", [0.5, 0.1])
+def test_block_sparse_realistic(density):
+    """Random 128 x 128 layouts per head at the benchmark's shape, against batch 0's reference."""
+    q, k, v = rand_qkv(4, 16, 16, 4096, 4096, 128, torch.bfloat16, device="cuda")
+    layout = attngen.layouts.random(4096, 4096, (128, 128), density=density, seed=3, heads=16, device="cuda")
+    out = attngen.attention(q, k, v, mask=attngen.block_sparse(layout, (128, 128)) & attngen.mask("causal"))
+    ref = attngen.reference.attention(q[:1], k[:1], v[:1], mask=attngen.block_sparse(layout, (128, 128))
+                                      & attngen.mask("causal"))
+    assert_close(out[:1], ref, torch.bfloat16)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .. import masks as masks_
-from ..checks import check_qkv, check_scale, interpreter_on
+from ..checks import check_qkv, check_scale, check_topk, interpreter_on, topk_pad
 from ..config import KernelConfig, block_d_for
 from ..render import load_module, render
 
@@ -73,9 +73,9 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not interpreter_on() else "ieee"
 
 
-def launch_args(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, scale: float,
+def launch_args(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, scale: float, topk: int,
                 config: KernelConfig, use_tma: bool):
-    """(kernel, grid, args, kwargs) of one launch on checked inputs and preallocated outputs."""
+    """(kernel, grid, args, kwargs) of one launch on checked inputs and preallocated outputs (topk 0: all)."""
     kernel = kernel_for(bound.mask if bound is not None else None)
     bm, bn = structure.block_size
     if use_tma:
@@ -92,11 +92,11 @@ def launch_args(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shap
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides,
             structure.full_num, structure.full_idx, structure.partial_num, structure.partial_idx,
             *strides3(cnt), *strides3(idx),
-            shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale,
+            shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale, topk,
             *(bound.kernel_args if bound is not None else ()))
     kwargs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
                   STORE_LSE=lse is not None, USE_TMA=use_tma, WARP_SPECIALIZE=config.warp_specialize,
-                  DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous,
+                  DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous, TOPK_PAD=topk_pad(topk),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     return kernel, grid, args, kwargs
 
@@ -123,13 +123,13 @@ class Plan:
     return_lse; the output's strides follow from q's, so only q, k, v, out and lse change per call.
     """
 
-    def __init__(self, q, k, v, mask, shape, scale: float, return_lse: bool, config: KernelConfig):
+    def __init__(self, q, k, v, mask, shape, scale: float, topk: int, return_lse: bool, config: KernelConfig):
         bound, structure = blocks(q, mask, shape, config)
         out = torch.empty_like(q)
         lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device)
         self.lse_shape = tuple(lse.shape) if return_lse else None
         self.kernel, self.grid, args, self.plain = launch_args(q, k, v, out, lse if return_lse else None, bound,
-                                                               structure, shape, scale, config, False)
+                                                               structure, shape, scale, topk, config, False)
         self.tail = args[5:]
         self.tma = None
         if config.use_tma and tma_eligible(q, k, v):  # strides fit; base alignment is checked per call
@@ -146,7 +146,7 @@ class Plan:
         return out, lse
 
 
-def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, config: KernelConfig,
+def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, config: KernelConfig,
                       out=None, lse=None):
     """Run the forward kernel with an explicit config. Returns (output, lse or None).
 
@@ -156,11 +156,12 @@ def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, confi
     problems = config.problems(shape.head_dim, q.element_size())
     if problems:
         raise ValueError(f"invalid kernel config {config}: {'; '.join(problems)}")
-    return forward(q, k, v, masks_.as_mask(mask), shape, check_scale(scale, shape.head_dim), return_lse, config,
-                   out, lse)
+    return forward(q, k, v, masks_.as_mask(mask), shape, check_scale(scale, shape.head_dim),
+                   check_topk(topk, shape.kv_len), return_lse, config, out, lse)
 
 
-def forward(q, k, v, mask, shape, scale: float, return_lse: bool, config: KernelConfig, out=None, lse=None):
+def forward(q, k, v, mask, shape, scale: float, topk: int, return_lse: bool, config: KernelConfig, out=None,
+            lse=None):
     """attention_forward on checked arguments (the dispatcher's fully checked path)."""
     bound, structure = blocks(q, mask, shape, config)
     if out is None:
@@ -171,7 +172,7 @@ def forward(q, k, v, mask, shape, scale: float, return_lse: bool, config: Kernel
         lse = None
     use_tma = config.use_tma and tma_eligible(q, k, v)
     if shape.q_len > 0:
-        launch(q, k, v, out, lse, bound, structure, shape, scale, config, use_tma)
+        launch(q, k, v, out, lse, bound, structure, shape, scale, topk, config, use_tma)
     return out, lse
 
 
@@ -180,8 +181,8 @@ def forward(q, k, v, mask, shape, scale: float, return_lse: bool, config: Kernel
 # ---------------------------------------------------------------------------------------
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, shape, scale, return_lse, config):
-        return forward(q, k, v, mask, shape, scale, return_lse, config)
+    def forward(ctx, q, k, v, mask, shape, scale, topk, return_lse, config):
+        return forward(q, k, v, mask, shape, scale, topk, return_lse, config)
 
     @staticmethod
     def backward(ctx, *grads):
