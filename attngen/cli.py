@@ -43,6 +43,18 @@ def cmd_tune(args) -> int:
     return tune.main(args)
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+def cmd_profile(args) -> int:
+    from . import profile
+
+    return profile.main(args)
+
+
 def cmd_registry(args) -> int:
     import torch
 
@@ -109,6 +121,28 @@ def build_parser() -> argparse.ArgumentParser:
                                       "winners to the registry and print a summary next to SDPA.")
     add_arguments(tune)
     tune.set_defaults(run=cmd_tune)
+
+    from . import bench, profile
+
+    bench_parser = sub.add_parser(
+        "bench", help="time every way to compute attention (naive, torch.compile, SDPA, FlexAttention, attngen)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=bench.EXAMPLES,
+        description="Run naive torch attention, naive with out= buffers, torch.compile(naive), SDPA with each "
+                    "backend forced, compiled FlexAttention and attngen on the same random inputs in one process, "
+                    "and print one table per case: median ms, TFLOP/s, peak memory above the inputs, speedup over "
+                    "naive and the max relative error against the float64 reference. A method that cannot run a "
+                    "case shows n/a and why.")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=cmd_bench)
+
+    profile_parser = sub.add_parser(
+        "profile", help="run one method under torch.profiler and print its operator table",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=profile.EXAMPLES,
+        description="Run one method of `attngen bench` (after a warm-up) under torch.profiler, with CPU and CUDA "
+                    "activities and input shapes recorded, and print key_averages() sorted by CUDA time (CPU time "
+                    "without CUDA).")
+    profile.add_arguments(profile_parser)
+    profile_parser.set_defaults(run=cmd_profile)
 
     reg = sub.add_parser("registry", help="show the tuned registry the dispatcher reads",
                          description="list: the registry files for a GPU and their entry counts; show: every entry "

@@ -289,9 +289,9 @@ def gather(tensor: torch.Tensor, indices: list):
     like = next((i for i in indices if isinstance(i, torch.Tensor)), None)
     idx = [_ensure_tensor(i, like).to(device=tensor.device, dtype=torch.long) for i in indices]
     idx = torch.broadcast_tensors(*idx)
-    inside = torch.ones(idx[0].shape, dtype=torch.bool, device=tensor.device)
+    inside = True  # combined out of place: FlexAttention vmaps this over its index tensors
     for i, size in zip(idx, tensor.shape):
-        inside &= (i >= 0) & (i < size)
+        inside = inside & (i >= 0) & (i < size)
     clamped = [i.clamp(0, size - 1) for i, size in zip(idx, tensor.shape)]
     values = tensor[tuple(clamped)]
     return torch.where(inside, values, torch.zeros((), dtype=values.dtype, device=values.device))

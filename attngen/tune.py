@@ -242,17 +242,16 @@ class Objective:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        kwargs = {"enable_gqa": True} if self.problem.group > 1 else {}
-        if self.mask is not None:
-            if _is_sdpa_causal(self.mask):
-                kwargs["is_causal"] = True
-            else:  # no SDPA form: the dense boolean mask a user would pass (that of batch 0, head 0)
-                p, positions = self.problem, torch.arange(self.problem.seq_len, device=self.device)
-                env = masks_.index_env(positions, positions, q_len=p.seq_len, kv_len=p.seq_len, batch=p.batch,
-                                       heads=p.heads, batches=1, head_count=1)
-                bound = masks_.bind(self.mask, batch=self.problem.batch, heads=self.problem.heads,
-                                    q_len=self.problem.seq_len, kv_len=self.problem.seq_len, device=self.device)
-                kwargs["attn_mask"] = masks_.evaluate_visible(bound, env)
+        from .bench import Unsupported, sdpa_kwargs
+
+        p = self.problem
+        try:  # the mask's exact SDPA form: is_causal, or a boolean attn_mask
+            kwargs, _ = sdpa_kwargs(self.mask, batch=p.batch, heads=p.heads, q_len=p.seq_len, kv_len=p.seq_len,
+                                    device=self.device)
+        except Unsupported as e:
+            return None, str(e)
+        if p.group > 1:
+            kwargs["enable_gqa"] = True
         for backends, name in (([SDPBackend.CUDNN_ATTENTION], "cudnn"), (None, "default")):
             try:
                 def run(q, k, v, backends=backends):
@@ -265,13 +264,6 @@ class Objective:
             except RuntimeError:
                 continue
         return None, "SDPA could not run this case"
-
-
-def _is_sdpa_causal(mask) -> bool:
-    """The mask is exactly SDPA's is_causal=True."""
-    term = mask.tree
-    return (isinstance(term, masks_.Term) and not mask.mods and term.template.name == "causal"
-            and term.template.path.parent == masks_.template_dirs()[0] and term.static == {"align": "top_left"})
 
 
 def _rel_error(out, ref) -> float:
@@ -556,9 +548,9 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("what to tune (each list option takes comma-separated values)")
     g.add_argument("--mask", default="none", metavar="SPEC",
                    help="mask variant, e.g. causal or 'sliding_window(window=1024)' (default none = dense)")
-    g.add_argument("--dtype", type=_list(str), default=None, help="fp16,bf16,fp32 (default bf16,fp16)")
-    g.add_argument("--head-dim", type=_list(int), default=None, help="default 64,128")
-    g.add_argument("--seq-len", type=_list(int), default=None, help="default 1024,4096,16384 (Sq = Sk)")
+    g.add_argument("--dtype", type=comma_list(str), default=None, help="fp16,bf16,fp32 (default bf16,fp16)")
+    g.add_argument("--head-dim", type=comma_list(int), default=None, help="default 64,128")
+    g.add_argument("--seq-len", type=comma_list(int), default=None, help="default 1024,4096,16384 (Sq = Sk)")
     g.add_argument("--batch", type=int, default=None, help="default 4")
     g.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = --heads)")
@@ -601,7 +593,7 @@ def fill_defaults(args) -> None:
         raise ValueError(f"--direction {args.direction}: only the forward kernel exists so far")
 
 
-def _list(kind):
+def comma_list(kind):
     def parse(text):
         try:
             return [kind(x) for x in text.split(",") if x.strip()]
