@@ -12,7 +12,7 @@ from .expr import Expr, ExprError
 from .paths import data_dir
 
 TUNABLES = tuple(f.name for f in fields(KernelConfig))
-CONSTRAINT_NAMES = set(TUNABLES) | {"head_dim", "block_d", "elem_bytes", "seq_len"}
+CONSTRAINT_NAMES = set(TUNABLES) | {"head_dim", "block_d", "elem_bytes", "seq_len", "topk_pad"}
 
 
 class SpaceError(ValueError):
@@ -45,10 +45,11 @@ class SearchSpace:
             n *= len(values)
         return n
 
-    def violations(self, config: KernelConfig, *, head_dim: int, elem_bytes: int, seq_len: int) -> list[str]:
-        """The `why` of every constraint the config breaks."""
+    def violations(self, config: KernelConfig, *, head_dim: int, elem_bytes: int, seq_len: int,
+                   topk_pad: int = 0) -> list[str]:
+        """The `why` of every constraint the config breaks (topk_pad: the top-k buffer width, 0 without)."""
         env = dict(config.as_dict(), head_dim=head_dim, block_d=block_d_for(head_dim), elem_bytes=elem_bytes,
-                   seq_len=seq_len)
+                   seq_len=seq_len, topk_pad=topk_pad)
         return [c.why for c in self.constraints if not bool(c.expr.evaluate(env))]
 
 

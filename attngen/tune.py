@@ -34,7 +34,7 @@ import torch
 
 from . import masks as masks_
 from . import registry as registry_
-from .checks import interpreter_on
+from .checks import MAX_TOPK, check_topk, interpreter_on, topk_pad
 from .config import KernelConfig, arch_of
 from .paths import cache_dir
 from .reference import TOLERANCE
@@ -43,6 +43,7 @@ from .timing import Rotation, attention_flops, input_sets, median_ms
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SAMPLERS = ("tpe", "gp", "random", "grid")
+TOPK_SPACE = "forward_topk"  # the default search space of top-k variants
 OK, INVALID, FAILED, WRONG = "ok", "invalid", "failed", "wrong"
 WORKER = f"{socket.gethostname()}:{os.getpid()}"  # recorded on every trial
 
@@ -60,14 +61,20 @@ class Problem:
     seq_len: int
     head_dim: int
     direction: str = "fwd"
+    topk: int = 0  # top-k softmax (0: plain); a topk >= seq_len is plain softmax too
 
     def mask_object(self):
         return masks_.parse_spec(self.mask)
 
     @property
+    def effective_topk(self) -> int:
+        return check_topk(self.topk or None, self.seq_len)
+
+    @property
     def variant(self) -> str:
-        m = self.mask_object()
-        return m.variant if m is not None else "none"
+        from .dispatch import variant_of
+
+        return variant_of(self.mask_object(), self.effective_topk)
 
     @property
     def group(self) -> int:
@@ -146,7 +153,7 @@ def compile_child(spec: str) -> None:
     problem = Problem(**s["problem"])
     device = "cuda" if torch.cuda.is_available() and not interpreter_on() else "cpu"
     q, k, v = _inputs(problem, device)
-    attention_forward(q, k, v, problem.mask_object(), config=KernelConfig(**s["config"]))
+    attention_forward(q, k, v, problem.mask_object(), topk=problem.topk or None, config=KernelConfig(**s["config"]))
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -191,10 +198,11 @@ class Objective:
         self.gate = (slice(0, 1), slice(0, problem.group))
         from .reference import attention as reference
 
-        self.ref = reference(q[self.gate], k[:1, :1], v[:1, :1], mask=self.mask)
+        self.ref = reference(q[self.gate], k[:1, :1], v[:1, :1], mask=self.mask, topk=problem.topk or None)
         self.flops = attention_flops(self.mask, problem.batch, problem.heads, problem.seq_len, problem.seq_len,
                                      problem.head_dim, self.device)
-        self.run = lambda q, k, v, config: attention_forward(q, k, v, self.mask, config=config)[0]
+        self.run = lambda q, k, v, config: attention_forward(q, k, v, self.mask, topk=problem.topk or None,
+                                                             config=config)[0]
 
     def __call__(self, trial) -> float:
         config = KernelConfig(**{name: trial.suggest_categorical(name, values) for name, values in self.values.items()})
@@ -212,7 +220,7 @@ class Objective:
         p = self.problem
         problems = config.problems(p.head_dim, DTYPES[p.dtype].itemsize, self.smem_limit)
         problems += self.space.violations(config, head_dim=p.head_dim, elem_bytes=DTYPES[p.dtype].itemsize,
-                                          seq_len=p.seq_len)
+                                          seq_len=p.seq_len, topk_pad=topk_pad(p.effective_topk))
         if problems:
             return INVALID, "; ".join(problems), {}
         earlier = _measured(study, config, number)
@@ -245,6 +253,8 @@ class Objective:
         from .bench import Unsupported, sdpa_kwargs
 
         p = self.problem
+        if p.effective_topk:
+            return None, "SDPA has no top-k softmax"
         try:  # the mask's exact SDPA form: is_causal, or a boolean attn_mask
             kwargs, _ = sdpa_kwargs(self.mask, batch=p.batch, heads=p.heads, q_len=p.seq_len, kv_len=p.seq_len,
                                     device=self.device)
@@ -343,7 +353,7 @@ def run_study(problem: Problem, settings: Settings, progress=None):
     """Create or resume the study of `problem` and run it to `settings.trials` finished trials."""
     import optuna
 
-    space = find_space(settings.space, problem.direction)
+    space = find_space(settings.space or (TOPK_SPACE if problem.effective_topk else None), problem.direction)
     storage = open_storage(settings.storage)
     values = space.for_arch(settings.arch)
     study = optuna.create_study(study_name=problem.study_name(settings.gpu), storage=storage,
@@ -380,12 +390,13 @@ def run_study(problem: Problem, settings: Settings, progress=None):
 def starting_points(problem: Problem, settings: Settings, values: dict) -> list[KernelConfig]:
     """The first configs a new study tries: what the registries already hold for this problem
     (exact or nearest bucket), then the architecture's fallback; a search never ends worse than them."""
-    from .config import default_config
+    from .config import default_config, for_topk
 
     found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
                                     settings.gpu).lookup(problem.entry_key())
     configs = [found[0].kernel_config()] if found else []
-    configs.append(default_config(settings.arch, problem.head_dim))
+    fallback = default_config(settings.arch, problem.head_dim)
+    configs.append(for_topk(fallback, topk_pad(problem.effective_topk)) if problem.effective_topk else fallback)
     inside = [c for c in configs if all(getattr(c, n) in values[n] for n in values)]
     return list(dict.fromkeys(inside))
 
@@ -439,9 +450,10 @@ def problems_from_args(args) -> list[Problem]:
             raise ValueError(f"--dtype must be a list of {', '.join(DTYPES)}, got {dtype!r}")
         for head_dim in args.head_dim:
             for seq_len in args.seq_len:
-                out.append(Problem(mask=args.mask, dtype=dtype, batch=args.batch, heads=args.heads,
-                                   kv_heads=args.kv_heads, seq_len=seq_len, head_dim=head_dim,
-                                   direction=args.direction))
+                for topk in args.topk:
+                    out.append(Problem(mask=args.mask, dtype=dtype, batch=args.batch, heads=args.heads,
+                                       kv_heads=args.kv_heads, seq_len=seq_len, head_dim=head_dim,
+                                       direction=args.direction, topk=topk))
     return out
 
 
@@ -452,6 +464,8 @@ def check_problems(problems: list[Problem], interpret: bool):
             raise ValueError(f"--heads {p.heads} is not a multiple of --kv-heads {p.kv_heads}")
         if min(p.batch, p.heads, p.kv_heads, p.seq_len, p.head_dim) < 1 or p.head_dim > 256:
             raise ValueError("--batch, --heads, --kv-heads, --seq-len must be >= 1 and --head-dim 1..256")
+        if p.topk < 0 or p.topk > MAX_TOPK:
+            raise ValueError(f"--topk must be between 1 and {MAX_TOPK} (0: plain softmax), got {p.topk}")
         if interpret and p.dtype == "bf16":
             raise ValueError("--dtype bf16 cannot run under the interpreter (its bf16 tl.dot is wrong); use fp16 "
                              "or fp32")
@@ -556,13 +570,16 @@ def add_arguments(parser) -> None:
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = --heads)")
     g.add_argument("--direction", default="fwd", choices=["fwd", "bwd", "both"],
                    help="fwd (the only kernel so far)")
+    g.add_argument("--topk", type=comma_list(int), default=[0],
+                   help="top-k softmax variants, e.g. 64,256 (0 = plain softmax, the default); they search "
+                        "search_spaces/forward_topk.yaml unless --space is given")
     g = parser.add_argument_group("how to search")
     g.add_argument("--gpu", help="the GPU to tune for; must match this machine's (default: detected)")
     g.add_argument("--trials", type=int, default=None, help="finished trials per problem (default 40)")
     g.add_argument("--timeout", type=float, default=None, help="seconds per problem")
     g.add_argument("--sampler", default="tpe", choices=SAMPLERS, help="Optuna sampler (default tpe)")
     g.add_argument("--space", help="search space: a file name in search_spaces/ (e.g. forward_small) or a path "
-                                   "(default: search_spaces/forward.yaml)")
+                                   "(default: search_spaces/forward.yaml, forward_topk.yaml with --topk)")
     g.add_argument("--seed", type=int, default=None, help="sampler seed")
     g.add_argument("--storage", help="Optuna storage: a journal file path or an RDB URL such as "
                                      "postgresql+psycopg2://user:password@host/db (default: a journal file "

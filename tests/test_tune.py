@@ -164,6 +164,35 @@ print(attngen.dispatch.choose(q, q, q, "causal").config.as_dict())
     assert "causal(align='top_left')" in shown.stdout and "interpreter.yaml" in shown.stdout
 
 
+def test_tune_topk_variants_reach_the_dispatcher(tmp_path):
+    """`--topk 8`: its own variant, space and correctness gate (the top-k reference), used by topk calls only."""
+    env = env_for(tmp_path)
+    r = run_tune(tmp_path, "--topk", "8", "--trials", "2", "--jobs", "2", "--seq-len", "40", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert "\ntopk(8) " in r.stdout and "1 of 1 problems have a winner" in r.stdout
+    (entry,) = registry.load_file(tmp_path / "reg" / "interpreter.yaml").entries.values()
+    assert entry.key.variant == "topk(8)"
+    check = subprocess.run([sys.executable, "-c", """
+import torch, attngen
+q = torch.randn(1, 2, 40, 32).half()
+print(attngen.explain(q, q, q, topk=7))
+print(attngen.explain(q, q, q))
+"""], env=dict(env, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    with_topk, plain = check.stdout.splitlines()
+    assert "variant topk(8)" in with_topk and "registry: exact entry" in with_topk
+    assert str(entry.kernel_config()) in with_topk
+    assert "no registry entry" in plain  # plain softmax is another variant: not tuned here
+
+
+def test_topk_space_rules():
+    space = tune.find_space(tune.TOPK_SPACE)
+    ok = KernelConfig(32, 64, 4, 2)
+    assert space.violations(ok, head_dim=128, elem_bytes=2, seq_len=4096, topk_pad=256) == []
+    assert space.violations(KernelConfig(128, 64, 4, 2), head_dim=64, elem_bytes=2, seq_len=4096, topk_pad=256) == [
+        "the top-k buffer and the score tile would take over 128 registers a thread and spill"]
+
+
 def test_killed_tuner_resumes_without_losing_trials(tmp_path):
     env = env_for(tmp_path)
     args = attngen_cmd("tune", "--interpret", "--mask", "none", "--trials", "8", "--jobs", "1", "--seq-len", "40")
@@ -206,6 +235,8 @@ def test_killed_tuner_resumes_without_losing_trials(tmp_path):
     (["--interpret", "--heads", "3", "--kv-heads", "2"], "--heads 3 is not a multiple of --kv-heads 2"),
     (["--interpret", "--trials", "0"], "--trials, --jobs and --workers must be >= 1"),
     (["--interpret", "--mask", "nope"], "unknown mask 'nope'"),
+    (["--interpret", "--topk", "2000"], "--topk must be between 1 and 1024"),
+    (["--interpret", "--topk", "x"], "--topk"),
 ] + ([] if torch.cuda.is_available() else [([], "no CUDA device found: tune on the target GPU, or pass --interpret")]))
 def test_tune_bad_options(tmp_path, args, message):
     r = subprocess.run(attngen_cmd("tune", *args), env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
@@ -215,7 +246,7 @@ def test_tune_bad_options(tmp_path, args, message):
 def test_tune_help_lists_the_matrix_options():
     r = subprocess.run(attngen_cmd("tune", "--help"), capture_output=True, text=True)
     for option in ("--mask", "--dtype", "--head-dim", "--seq-len", "--kv-heads", "--direction", "--sampler",
-                   "--storage", "--workers", "--interpret", "--out", "--timeout"):
+                   "--storage", "--workers", "--interpret", "--out", "--timeout", "--topk"):
         assert option in r.stdout
 
 
