@@ -150,9 +150,9 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None):
     mask shows (every score equal to the topk-th largest is kept too); None or >= Sk: all of them.
     """
     m = masks_.as_mask(mask)
-    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    if not grad and (m is None or not m.has_tensors) and isinstance(q, torch.Tensor) \
-            and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+    tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    grad = torch.is_grad_enabled() and tensors and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if tensors and not grad and (m is None or not m.has_tensors):
         # fast path: one prepared launch per call signature
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, None if m is None else m.call_key, scale, return_lse, topk)

@@ -284,6 +284,7 @@ def templates() -> dict[str, Template]:
                     raise TemplateError(f"template {path.stem!r} is defined twice: {found[path.stem].path} and {path}")
                 found[path.stem] = load_template(path)
         _templates = found
+        _NAMED.clear()
         templates._dirs = dirs
     return _templates
 
@@ -417,7 +418,7 @@ class Mask:
         return block_structure(self, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
 
 
-_NAMED: dict[tuple, Mask] = {}
+_NAMED: dict[str, Mask] = {}
 
 
 def mask(name: str, **params) -> Mask:
@@ -432,11 +433,12 @@ def as_mask(value, argument: str = "mask") -> Mask | None:
     """`None`, a template name or a Mask, as given to attention(mask=...)."""
     if value is None or isinstance(value, Mask):
         return value
-    if isinstance(value, str):  # one Mask per name while the template folders stay the same
-        key = (value, os.environ.get(TEMPLATE_PATH_ENV, ""), tuple(_user_dirs))
-        named = _NAMED.get(key)
+    if isinstance(value, str):
+        # one Mask per name while the loaded templates stay the same (a reload empties _NAMED); this
+        # is on every call's path, so it reads no environment variable
+        named = _NAMED.get(value)
         if named is None or _templates is None:
-            named = _NAMED[key] = mask(value)
+            named = _NAMED[value] = mask(value)
         return named
     raise TypeError(f"{argument} must be None, a mask name or an attngen mask object, got {type(value).__name__}")
 
