@@ -130,10 +130,12 @@ def test_a_wrong_result_shows_in_the_error_column(monkeypatch):
 
 def test_score_modifiers_have_no_sdpa_form_and_run_elsewhere():
     spec = "sliding_window(window=8) & softcap(cap=5.0)"
-    (_, rows, _, _), = bench.run_cases([case(spec, dtype="fp32")], ["naive", "compile", "sdpa_math", "attngen"], "cpu")
+    (_, rows, _, _), = bench.run_cases([case(spec, dtype="fp32")], ["naive", "compile", "sdpa_math", "flex", "attngen"],
+                                       "cpu")
     rows = {r.method: r for r in rows}
     assert rows["sdpa_math"].note == "n/a: SDPA has no form for score modifiers (softcap)"
-    for method in ("naive", "compile", "attngen"):
+    assert rows["flex"].note == "block mask, score_mod"
+    for method in ("naive", "compile", "flex", "attngen"):
         assert rows[method].error < 1e-5, (method, rows[method])
 
 
