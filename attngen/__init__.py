@@ -3,6 +3,7 @@
     import attngen
     out = attngen.attention(q, k, v, mask="causal")
     out = attngen.attention(q, k, v, mask=attngen.mask("sliding_window", window=256) & attngen.mask("softcap", cap=50.0))
+    out = attngen.attention(q, k, v, mask=attngen.block_sparse(layout, (128, 128)), topk=64)
 """
 
 __version__ = "0.1.0"
