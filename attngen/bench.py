@@ -188,44 +188,23 @@ def dense_visible(mask, *, batch: int, heads: int, q_len: int, kv_len: int, devi
 def torch_mods(p: Inputs) -> tuple[Callable | None, Callable | None]:
     """(mask_mod(b, h, q_idx, kv_idx), score_mod(score, b, h, q_idx, kv_idx)) as FlexAttention takes them.
 
-    The same torch evaluation as masks.evaluate_visible and masks.apply_score_mods, with every
-    expression looked up here, before torch.compile traces the functions (it cannot trace the
-    template cache). None where the mask has no predicate, or no score modifiers.
+    masks.predicate_fn and masks.score_fn: the reference's own torch evaluation, with every
+    expression looked up before torch.compile traces the functions (it cannot trace the template
+    cache). None where the mask has no predicate, or no score modifiers.
     """
     if p.mask is None:
         return None, None
-    terms = p.mask.terms()
-    exprs = [t.expr for t in terms]
-    index = {id(t): i for i, t in enumerate(terms)}
-    bound, sizes = p.bound, p.sizes
-
-    def env(i, b, h, q_idx, kv_idx, dtype):
-        base = dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx, **sizes)
-        return masks_._term_env(i, terms[i], bound, base, dtype)  # the parameters as the reference sees them
-
-    def indices(node):  # the predicate with each term replaced by its index
-        return index[id(node)] if isinstance(node, masks_.Term) else (node[0], indices(node[1]), indices(node[2]))
-
-    tree = indices(p.mask.tree) if p.mask.tree is not None else None
-    first_mod = len(terms) - len(p.mask.mods)
+    sizes = p.sizes
+    visible = masks_.predicate_fn(p.bound) if p.mask.tree is not None else None
+    mods = masks_.score_fn(p.bound) if p.mask.mods else None
 
     def mask_mod(b, h, q_idx, kv_idx):
-        def walk(node):
-            if isinstance(node, int):
-                return exprs[node].evaluate(env(node, b, h, q_idx, kv_idx, torch.float64))
-            left, right = walk(node[1]), walk(node[2])
-            return (left & right) if node[0] == "&" else (left | right)
-        return walk(tree)
+        return visible(dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx, **sizes))
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        for i in range(first_mod, len(terms)):
-            e = env(i, b, h, q_idx, kv_idx, score.dtype)
-            e[masks_.SCORE_NAME] = score
-            new = exprs[i].evaluate(e)
-            score = new if isinstance(new, torch.Tensor) else torch.full_like(score, float(new))
-        return score
+        return mods(score, dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx, **sizes))
 
-    return (mask_mod if tree is not None else None), (score_mod if p.mask.mods else None)
+    return (mask_mod if visible is not None else None), (score_mod if mods is not None else None)
 
 
 def _naive_parts(p: Inputs):

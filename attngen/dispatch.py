@@ -34,6 +34,7 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 class Choice:
     config: KernelConfig
     source: str  # where the config came from, in words
+    variant: str  # the registry's name of the kernel variant
 
 
 _override: Path | None = None
@@ -119,7 +120,7 @@ def _choose(q, shape, mask: masks_.Mask | None, topk: int = 0) -> Choice:
     if rows < config.block_m:  # a short query (decoding) fills a smaller tile
         config = replace(config, block_m=rows)
         source += f"; block_m cut to {rows} for q_len {shape.q_len}"
-    choice = _choices[cache_key] = Choice(config, source)
+    choice = _choices[cache_key] = Choice(config, source, variant)
     log.debug("attngen: %s %s d%d s%d (bucket %d) group %d -> %s (%s)", variant, key.dtype, shape.head_dim,
               shape.kv_len, bucket, shape.group, config, source)
     return choice
@@ -133,11 +134,8 @@ def choose(q, k, v, mask=None, *, topk=None) -> Choice:
 
 def explain(q, k, v, mask=None, *, topk=None) -> str:
     """Says which config `attention(q, k, v, mask=mask, topk=topk)` would use, and why."""
-    m = masks_.as_mask(mask)
-    shape = check_qkv(q, k, v, kernel=True)
-    effective = check_topk(topk, shape.kv_len)
-    choice = _choose(q, shape, m, effective)
-    return f"variant {variant_of(m, effective)}; {q.dtype}; config {choice.config}; from {choice.source}"
+    choice = choose(q, k, v, mask, topk=topk)
+    return f"variant {choice.variant}; {q.dtype}; config {choice.config}; from {choice.source}"
 
 
 def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None):

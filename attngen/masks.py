@@ -571,29 +571,57 @@ def _term_env(index: int, term: Term, bound: Bound, base: dict, dtype=None) -> d
     return env
 
 
+def predicate_fn(bound: Bound, node=_MISSING):
+    """The mask's predicate (or the part `node` of its tree) as a function of an index environment.
+
+    Every expression is looked up here, so the function itself is plain torch: FlexAttention can
+    vmap and compile it as a mask_mod.
+    """
+    terms = bound.mask.terms()
+    exprs = [t.expr for t in terms]
+    position = {id(t): i for i, t in enumerate(terms)}
+
+    def plan(n):  # the tree with each term replaced by its position in terms
+        return position[id(n)] if isinstance(n, Term) else (n[0], plan(n[1]), plan(n[2]))
+
+    tree = plan(bound.mask.tree if node is _MISSING else node)
+
+    def visible(index_env: dict):
+        def walk(n):
+            if isinstance(n, int):
+                return exprs[n].evaluate(_term_env(n, terms[n], bound, index_env, torch.float64))
+            left, right = walk(n[1]), walk(n[2])
+            return (left & right) if n[0] == "&" else (left | right)
+        return walk(tree)
+
+    return visible
+
+
+def score_fn(bound: Bound):
+    """The mask's score modifiers, in order, as a function (score, index environment) -> score;
+    plain torch like predicate_fn (FlexAttention's score_mod)."""
+    terms = bound.mask.terms()
+    exprs = [t.expr for t in terms]
+    first = len(terms) - len(bound.mask.mods)
+
+    def apply(score: torch.Tensor, index_env: dict) -> torch.Tensor:
+        for i in range(first, len(terms)):
+            env = _term_env(i, terms[i], bound, index_env, score.dtype)
+            env[SCORE_NAME] = score
+            new = exprs[i].evaluate(env)
+            score = new if isinstance(new, torch.Tensor) else torch.full_like(score, float(new))
+        return score
+
+    return apply
+
+
 def evaluate_visible(bound: Bound, index_env: dict, node=_MISSING):
     """The mask's predicate (or the part `node` of its tree) evaluated with torch over `index_env`."""
-    terms = bound.mask.terms()
-    index = {id(t): i for i, t in enumerate(terms)}
-
-    def walk(node):
-        if isinstance(node, Term):
-            return node.expr.evaluate(_term_env(index[id(node)], node, bound, index_env, torch.float64))
-        left, right = walk(node[1]), walk(node[2])
-        return (left & right) if node[0] == "&" else (left | right)
-
-    return walk(bound.mask.tree if node is _MISSING else node)
+    return predicate_fn(bound, node)(index_env)
 
 
 def apply_score_mods(bound: Bound, score: torch.Tensor, index_env: dict) -> torch.Tensor:
-    offset = len(bound.mask.terms()) - len(bound.mask.mods)
-    for i, term in enumerate(bound.mask.mods, start=offset):
-        env = _term_env(i, term, bound, index_env, score.dtype)
-        env[SCORE_NAME] = score
-        score = term.expr.evaluate(env)
-        if not isinstance(score, torch.Tensor):
-            score = torch.full_like(env[SCORE_NAME], float(score))
-    return score
+    return score_fn(bound)(score, index_env)
 
 
 def _tree_terms(node) -> list[Term]:
