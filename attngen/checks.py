@@ -101,7 +101,7 @@ def check_topk(topk, kv_len: int) -> int:
 
 
 def topk_pad(topk: int) -> int:
-    """The kernel's buffer width for `topk`: the next power of two (0 when topk is 0)."""
+    """`topk` rounded up to a power of two (0 when topk is 0): the K bucket of registry variants."""
     return 0 if topk == 0 else 1 << (topk - 1).bit_length()
 
 

@@ -76,20 +76,6 @@ DEFAULTS: dict[str, list[tuple[int, KernelConfig]]] = {
 }
 
 
-# Top-k softmax keeps a (BLOCK_M x TOPK_PAD) fp32 buffer in registers beside the score tile; the
-# fallback caps BLOCK_M so that the buffer holds at most this many scores (64 registers a thread
-# at 4 warps). Tuned topk variants in the registry are used as they are.
-TOPK_BUFFER = 8192
-
-
-def for_topk(config: KernelConfig, topk_pad: int) -> KernelConfig:
-    """A fallback config made fit for top-k softmax with a buffer of `topk_pad` scores per row."""
-    from dataclasses import replace
-
-    block_m = min(config.block_m, max(16, TOPK_BUFFER // topk_pad))
-    return config if block_m == config.block_m else replace(config, block_m=block_m)
-
-
 def arch_of(device) -> str:
     """The DEFAULTS key for a device ("interpreter" for CPU tensors)."""
     import torch

@@ -22,7 +22,7 @@ import torch
 from . import masks as masks_
 from . import registry as registry_
 from .checks import check_qkv, check_scale, check_topk, topk_pad
-from .config import DEFAULTS, KernelConfig, arch_of, default_config, for_topk
+from .config import DEFAULTS, KernelConfig, arch_of, default_config
 from .kernels.forward import AttentionFunction, Plan, forward
 
 log = logging.getLogger("attngen")
@@ -86,7 +86,7 @@ def registry_for(gpu: str) -> registry_.Registry:
 
 
 def variant_of(mask: masks_.Mask | None, topk: int = 0) -> str:
-    """The registry's name of a kernel variant: the mask's, plus `topk(<buffer width>)` for top-k softmax."""
+    """The registry's name of a kernel variant: the mask's, plus `topk(<K rounded up to a power of two>)` for top-k."""
     base = mask.variant if mask is not None else "none"
     if not topk:
         return base
@@ -114,9 +114,6 @@ def _choose(q, shape, mask: masks_.Mask | None, topk: int = 0) -> Choice:
         config = default_config(arch, shape.head_dim)
         bound = next(d for d, _ in DEFAULTS.get(arch, DEFAULTS["generic"]) if shape.head_dim <= d)
         source = f"no registry entry for {gpu}; default config for {arch}, head dim <= {bound}"
-        if topk:
-            config = for_topk(config, topk_pad(topk))
-            source += f", block_m <= {config.block_m} for the top-k buffer"
     if rows < config.block_m:  # a short query (decoding) fills a smaller tile
         config = replace(config, block_m=rows)
         source += f"; block_m cut to {rows} for q_len {shape.q_len}"

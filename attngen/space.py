@@ -47,7 +47,7 @@ class SearchSpace:
 
     def violations(self, config: KernelConfig, *, head_dim: int, elem_bytes: int, seq_len: int,
                    topk_pad: int = 0) -> list[str]:
-        """The `why` of every constraint the config breaks (topk_pad: the top-k buffer width, 0 without)."""
+        """The `why` of every constraint the config breaks (topk_pad: K rounded up to a power of two, 0 without)."""
         env = dict(config.as_dict(), head_dim=head_dim, block_d=block_d_for(head_dim), elem_bytes=elem_bytes,
                    seq_len=seq_len, topk_pad=topk_pad)
         return [c.why for c in self.constraints if not bool(c.expr.evaluate(env))]

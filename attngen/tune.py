@@ -390,13 +390,13 @@ def run_study(problem: Problem, settings: Settings, progress=None):
 def starting_points(problem: Problem, settings: Settings, values: dict) -> list[KernelConfig]:
     """The first configs a new study tries: what the registries already hold for this problem
     (exact or nearest bucket), then the architecture's fallback; a search never ends worse than them."""
-    from .config import default_config, for_topk
+    from .config import default_config
 
     found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
                                     settings.gpu).lookup(problem.entry_key())
     configs = [found[0].kernel_config()] if found else []
     fallback = default_config(settings.arch, problem.head_dim)
-    configs.append(for_topk(fallback, topk_pad(problem.effective_topk)) if problem.effective_topk else fallback)
+    configs.append(fallback)
     inside = [c for c in configs if all(getattr(c, n) in values[n] for n in values)]
     return list(dict.fromkeys(inside))
 

@@ -62,7 +62,7 @@ def test_new_lengths_in_a_bucket_do_not_recompile(head_dim):
 @pytest.mark.parametrize("mask", [None, "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_topk_realistic(topk, mask, dtype):
-    """Top-k softmax through the public API at a training-like shape, every buffer width class."""
+    """Top-k softmax through the public API at a training-like shape, from K=1 to the largest K."""
     q, k, v = rand_qkv(2, 8, 2, 2048, 2048, 128, dtype, device="cuda")
     out, lse = attngen.attention(q, k, v, mask=mask, topk=topk, return_lse=True)
     ref, ref_lse = attngen.reference.attention(q, k, v, mask=mask, topk=topk, return_lse=True)

@@ -1,17 +1,30 @@
-"""Top-k softmax: the kernel against the float64 reference, the tie rule, and bad arguments.
+"""Top-k softmax: the kernels against the float64 reference, the tie rule, and bad arguments.
 
-Triton's interpreter sorts slowly, so these shapes are small; every path of the kernel's top-k
-merge (key block narrower than, as wide as, and wider than the top-k buffer) is covered.
+The threshold kernel finds a row's threshold one of three ways, and every test here runs all
+three (the `path` fixture): "whole" (the row's key blocks all fit in the sample, which is then
+exact), "sampled" (a small sample brackets the threshold and one capture pass finds it) and
+"missed" (no margin around the sample's estimate, so rows miss their bracket and retry).
 """
 
 import pytest
 import torch
 
 import attngen
+import attngen.kernels.forward as forward
+from attngen.checks import check_qkv
 from attngen.config import KernelConfig
 from attngen.kernels.forward import attention_forward
 from conftest import DEVICE, assert_close, poisoned_like, rand_qkv
 from masks_zoo import ZOO
+
+
+@pytest.fixture(params=["whole", "sampled", "missed"])
+def path(request, monkeypatch):
+    if request.param != "whole":
+        monkeypatch.setattr(forward, "TOPK_SAMPLE", 32)  # two key blocks of 16
+    if request.param == "missed":
+        monkeypatch.setattr(forward, "TOPK_MARGIN", 0.0)
+    return request.param
 
 
 def check(q, k, v, mask, topk, config, dtype=torch.float32):
@@ -24,30 +37,50 @@ def check(q, k, v, mask, topk, config, dtype=torch.float32):
 
 @pytest.mark.parametrize("mask", [None, "causal"])
 @pytest.mark.parametrize("topk,config", [
-    (1, KernelConfig(32, 32, 4, 1)),  # block wider than the buffer
+    (1, KernelConfig(32, 32, 4, 1)),
     (8, KernelConfig(16, 16, 4, 1)),
-    (16, KernelConfig(16, 16, 4, 1)),  # as wide
-    (64, KernelConfig(32, 16, 4, 1)),  # narrower
+    (40, KernelConfig(32, 16, 4, 1)),  # causal: the first 40 rows see fewer than topk keys
     (300, KernelConfig(16, 32, 4, 1)),  # more than Sk: every visible key
 ], ids=lambda x: str(x))
-def test_topk_matches_reference(topk, config, mask):
+def test_topk_matches_reference(topk, config, mask, path):
     q, k, v = rand_qkv(1, 2, 1, 70, 90, 16, torch.float32)
     check(q, k, v, mask, topk, config)
 
 
-def test_topk_with_ragged_lengths_gqa_and_fp16():
+def test_topk_with_ragged_lengths_gqa_and_fp16(path):
     q, k, v = rand_qkv(2, 4, 2, 37, 75, 24, torch.float16)
     check(q, k, v, "causal", 5, KernelConfig(16, 16, 4, 1), torch.float16)
 
 
-def test_topk_after_score_modifiers_and_a_block_layout():
+@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("topk", [1, 7, 40])
+def test_thresholds_are_exact_on_integer_scores(topk, mask, path):
+    """Small integer q and k give exact scores with many ties: each row's threshold must keep exactly
+    the scores >= its topk-th largest (all visible scores where it sees fewer)."""
+    g = torch.Generator().manual_seed(topk)
+    q = torch.randint(-2, 3, (1, 2, 50, 16), generator=g).float().to(DEVICE)
+    k = torch.randint(-2, 3, (1, 2, 200, 16), generator=g).float().to(DEVICE)
+    shape = check_qkv(q, k, k, kernel=True)
+    config = KernelConfig(16, 16, 4, 1)
+    bound, structure = forward.blocks(q, attngen.masks.as_mask(mask), shape, config)
+    thr = forward.Thresholds(q, k, bound, structure, shape, 1.0, topk, config).run(q, k).view(1, 2, 50, 1)
+    scores = q @ k.transpose(-1, -2)  # the kernel compares unscaled scores when no modifier runs
+    visible = torch.ones(50, 200, dtype=torch.bool, device=DEVICE)
+    if mask == "causal":
+        visible = visible.tril()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    kth = scores.topk(topk, dim=-1).values[..., -1:]
+    assert torch.equal((scores >= thr) & visible, (scores >= kth) & visible)
+
+
+def test_topk_after_score_modifiers_and_a_block_layout(path):
     """The k largest are taken among the visible, modified scores."""
     q, k, v = rand_qkv(1, 2, 2, 64, 80, 16, torch.float32)
     q = q * 3  # spread the scores so that the soft cap reorders nothing but still bends them
     check(q, k, v, ZOO["block_sparse|sliding_window&softcap"](1, 2, 64, 80, DEVICE), 6, KernelConfig(16, 16, 4, 1))
 
 
-def test_ties_at_the_kth_score_are_all_kept():
+def test_ties_at_the_kth_score_are_all_kept(path):
     """Keys repeated three times give scores tied in threes; topk=4 keeps the top group and the whole next one."""
     sq, sk, d = 20, 48, 16
     q, base, _ = rand_qkv(1, 1, 1, sq, sk // 3, d, torch.float32)
@@ -72,7 +105,7 @@ def test_topk_at_or_over_the_key_length_is_plain_softmax():
 def test_dispatcher_names_the_topk_variant():
     q, k, v = rand_qkv(1, 2, 2, 30, 400, 16, torch.float32)
     text = attngen.explain(q, k, v, mask="causal", topk=40)
-    assert "variant causal(align='top_left') & topk(64)" in text and "top-k buffer" in text
+    assert "variant causal(align='top_left') & topk(64)" in text
     out = attngen.attention(q, k, v, mask="causal", topk=40)
     assert_close(out, attngen.reference.attention(q, k, v, mask="causal", topk=40), torch.float32)
 
@@ -89,3 +122,13 @@ def test_bad_topk(topk, error, message):
     for fn in (attngen.attention, attngen.reference.attention):
         with pytest.raises(error, match=message):
             fn(q, k, v, topk=topk)
+
+
+def test_capture_width_covers_the_bracket():
+    # a row whose blocks all fit in the sample is captured whole
+    assert forward.topk_widths(64, 300, 16) == (512, 512)
+    assert forward.topk_widths(8, 100, 32) == (512, 128)
+    for topk, kv_len in [(1, 4096), (64, 4096), (256, 4096), (64, 16384), (256, 16384), (1024, 16384)]:
+        sample, cap = forward.topk_widths(topk, kv_len, 64)
+        assert sample == 512 and cap >= sample and cap & (cap - 1) == 0
+        assert cap >= 2 * topk  # the bracket's far end is well past the topk-th score

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .. import masks as masks_
-from ..checks import check_qkv, check_scale, check_topk, interpreter_on, topk_pad
+from ..checks import check_qkv, check_scale, check_topk, interpreter_on
 from ..config import KernelConfig, block_d_for
 from ..render import load_module, render
 
@@ -28,16 +28,21 @@ def render_source(mask: masks_.Mask | None) -> str:
                   params=masks_.kernel_params(mask), scalars=masks_.scalar_params(mask))
 
 
-_KERNELS: dict = {}
+_MODULES: dict = {}
+
+
+def module_for(mask: masks_.Mask | None):
+    """The rendered module of `mask`'s variant (attention_fwd, topk_threshold): imported once per process."""
+    key = None if mask is None else mask.key
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES[key] = load_module(render_source(mask))
+    return module
 
 
 def kernel_for(mask: masks_.Mask | None):
-    """The jitted kernel for `mask`'s variant: rendered and imported once per process."""
-    key = None if mask is None else mask.key
-    fn = _KERNELS.get(key)
-    if fn is None:
-        fn = _KERNELS[key] = load_module(render_source(mask)).attention_fwd
-    return fn
+    """The jitted attention kernel for `mask`'s variant."""
+    return module_for(mask).attention_fwd
 
 
 # ---------------------------------------------------------------------------------------
@@ -73,32 +78,119 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not interpreter_on() else "ieee"
 
 
-def launch_args(q, k, v, out, lse, bound, structure: masks_.BlockStructure, shape, scale: float, topk: int,
+# Top-k thresholds (topk_threshold in the template): each row samples about TOPK_SAMPLE of its
+# scores, and the bracket it then captures keeps TOPK_MARGIN standard deviations of the sampled
+# count from the expected rank at either end, so that a row needs a second pass about once in
+# 30,000 (a normal tail beyond 4 sigma). The capture area is sized by the same margin.
+TOPK_SAMPLE = 512
+TOPK_MARGIN = 4.0
+TOPK_GRID = 16  # points at which the sample's counts are taken, evenly between its extremes
+
+
+def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
+    """(SAMPLE_W, CAP_W): scores per row in the sample and in the capture area.
+
+    A row whose key blocks all fit in the sample is captured whole. Otherwise the capture area
+    holds the scores in the bracket: about (rank_lo - rank_hi) / f of them, where f is the sampled
+    share of the key blocks (smallest for the longest rows), plus TOPK_MARGIN standard deviations,
+    rounded up to a power of two: the headroom takes the bracket's widening to the sample's grid
+    points. A row whose scores overflow the area costs its query tile one more pass.
+    """
+    sample_w = max(TOPK_SAMPLE, block_n)
+    n_blocks = math.ceil(kv_len / block_n)
+    per = sample_w // block_n
+    stride = max(math.ceil(n_blocks / per), 1)
+    if stride == 1:
+        return sample_w, _pow2(min(sample_w, n_blocks * block_n))
+    f = math.ceil(n_blocks / stride) / n_blocks
+    expect = topk * f
+    spread = TOPK_MARGIN * math.sqrt(expect)
+    rank_lo = math.ceil(expect + spread + 2)
+    rank_hi = max(0, math.floor(expect - spread - 1))
+    inside = (rank_lo - rank_hi) / f
+    need = inside + TOPK_MARGIN * math.sqrt(rank_lo - rank_hi) / f
+    return sample_w, max(sample_w, _pow2(need))
+
+
+def _pow2(x: float) -> int:
+    return max(16, 1 << (math.ceil(x) - 1).bit_length())
+
+
+def _programs(n_tiles: int, device) -> int:
+    """Programs of the persistent top-k grid: two per SM (a few under the interpreter)."""
+    if device.type != "cuda":
+        return min(n_tiles, 3)
+    return min(n_tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch or head
+    return [0 if t.shape[i] == 1 else t.stride(i) for i in range(3)]
+
+
+def launch_args(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure, shape, scale: float,
                 config: KernelConfig, use_tma: bool):
-    """(kernel, grid, args, kwargs) of one launch on checked inputs and preallocated outputs (topk 0: all)."""
+    """(kernel, grid, args, kwargs) of one attention launch on checked inputs and preallocated outputs.
+
+    `thr`: None, or top-k thresholds (B * H * Sq floats) from the threshold launch.
+    """
     kernel = kernel_for(bound.mask if bound is not None else None)
     bm, bn = structure.block_size
     if use_tma:
         _ensure_allocator()
-    cnt, idx = structure.full_num, structure.full_idx
-
-    def strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch or head
-        return [0 if t.shape[i] == 1 else t.stride(i) for i in range(3)]
-
     lse_arg = lse if lse is not None else out
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     grid = (math.ceil(shape.q_len / bm), shape.batch * shape.heads)
-    args = (q, k, v, out, lse_arg,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides,
-            structure.full_num, structure.full_idx, structure.partial_num, structure.partial_idx,
-            *strides3(cnt), *strides3(idx),
-            shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale, topk,
+    args = (q, k, v, out, lse_arg, thr if thr is not None else out,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *structure_args(structure),
+            shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale,
             *(bound.kernel_args if bound is not None else ()))
     kwargs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
                   STORE_LSE=lse is not None, USE_TMA=use_tma, WARP_SPECIALIZE=config.warp_specialize,
-                  DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous, TOPK_PAD=topk_pad(topk),
+                  DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous, TOPK=thr is not None,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     return kernel, grid, args, kwargs
+
+
+class Thresholds:
+    """The top-k threshold launch of one call signature: topk_threshold with the attention
+    launch's tiles and warps (the same scores bit for bit), its work area allocated per call."""
+
+    def __init__(self, q, k, bound, structure: masks_.BlockStructure, shape, scale: float, topk: int,
+                 config: KernelConfig):
+        module = module_for(bound.mask if bound is not None else None)
+        self.kernel = module.topk_threshold
+        bm, bn = structure.block_size
+        sample_w, cap_w = topk_widths(topk, shape.kv_len, bn)
+        n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
+        programs = _programs(n_tiles, q.device)
+        self.grid = (programs,)
+        self.work = programs * bm * cap_w
+        self.tail = (*structure_args(structure), shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group,
+                     scale, topk, TOPK_MARGIN, *(bound.kernel_args if bound is not None else ()))
+        self.rows = shape.batch * shape.heads * shape.q_len
+        self.kwargs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
+                           DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous,
+                           SAMPLE_W=sample_w, CAP_W=cap_w, GRID=TOPK_GRID, SLICE=16,
+                           ASM_STORE=q.device.type == "cuda", USE_TMA=False, num_warps=config.num_warps,
+                           num_stages=config.num_stages)
+        self.tma = dict(self.kwargs, USE_TMA=True) if config.use_tma and tma_eligible(q, k) else None
+
+    def run(self, q, k):
+        """Each query row's threshold: B * H * Sq floats."""
+        thr = torch.empty(self.rows, dtype=torch.float32, device=q.device)
+        work = torch.empty(self.work, dtype=torch.float32, device=q.device)
+        kwargs = self.kwargs
+        if self.tma is not None and (q.data_ptr() | k.data_ptr()) % 16 == 0:
+            kwargs = self.tma
+            _ensure_allocator()
+        self.kernel[self.grid](q, k, thr, work, *q.stride(), *k.stride(), *self.tail, **kwargs)
+        return thr
+
+
+def structure_args(structure: masks_.BlockStructure) -> tuple:
+    """The block structure's kernel arguments: its four tensors, then their strides."""
+    return (structure.full_num, structure.full_idx, structure.partial_num, structure.partial_idx,
+            *_strides3(structure.full_num), *_strides3(structure.full_idx))
 
 
 def blocks(q, mask, shape, config: KernelConfig):
@@ -111,7 +203,7 @@ def blocks(q, mask, shape, config: KernelConfig):
 
 
 def launch(*args):
-    """Launch the kernel (arguments as for launch_args)."""
+    """Launch the attention kernel (arguments as for launch_args)."""
     kernel, grid, args, kwargs = launch_args(*args)
     kernel[grid](*args, **kwargs)
 
@@ -128,9 +220,11 @@ class Plan:
         out = torch.empty_like(q)
         lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device)
         self.lse_shape = tuple(lse.shape) if return_lse else None
-        self.kernel, self.grid, args, self.plain = launch_args(q, k, v, out, lse if return_lse else None, bound,
-                                                               structure, shape, scale, topk, config, False)
-        self.tail = args[5:]
+        self.thresholds = Thresholds(q, k, bound, structure, shape, scale, topk, config) if topk else None
+        thr = lse if topk else None  # a stand-in: run() passes the thresholds of the call
+        self.kernel, self.grid, args, self.plain = launch_args(q, k, v, out, lse if return_lse else None, thr, bound,
+                                                               structure, shape, scale, config, False)
+        self.tail = args[6:]
         self.tma = None
         if config.use_tma and tma_eligible(q, k, v):  # strides fit; base alignment is checked per call
             self.tma = dict(self.plain, USE_TMA=True)
@@ -138,11 +232,12 @@ class Plan:
     def run(self, q, k, v):
         out = torch.empty_like(q)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        thr = self.thresholds.run(q, k) if self.thresholds is not None else out
         kwargs = self.plain
         if self.tma is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0:
             kwargs = self.tma
             _ensure_allocator()
-        self.kernel[self.grid](q, k, v, out, out if lse is None else lse, *self.tail, **kwargs)
+        self.kernel[self.grid](q, k, v, out, out if lse is None else lse, thr, *self.tail, **kwargs)
         return out, lse
 
 
@@ -172,7 +267,8 @@ def forward(q, k, v, mask, shape, scale: float, topk: int, return_lse: bool, con
         lse = None
     use_tma = config.use_tma and tma_eligible(q, k, v)
     if shape.q_len > 0:
-        launch(q, k, v, out, lse, bound, structure, shape, scale, topk, config, use_tma)
+        thr = Thresholds(q, k, bound, structure, shape, scale, topk, config).run(q, k) if topk else None
+        launch(q, k, v, out, lse, thr, bound, structure, shape, scale, config, use_tma)
     return out, lse
 
 
