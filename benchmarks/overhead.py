@@ -54,8 +54,8 @@ def raw_launch(q, k, v, mask):
     config = attngen.dispatch.choose(q, k, v, m).config
     bound, structure = blocks(q, m, shape, config)
     out = torch.empty_like(q)
-    kernel, grid, args, kwargs = launch_args(q, k, v, out, None, bound, structure, shape, 1 / shape.head_dim ** 0.5,
-                                             0, config, config.use_tma and tma_eligible(q, k, v))
+    kernel, grid, args, kwargs = launch_args(q, k, v, out, None, None, bound, structure, shape, 1 / shape.head_dim ** 0.5,
+                                             config, config.use_tma and tma_eligible(q, k, v))
     return lambda: kernel[grid](*args, **kwargs)
 
 

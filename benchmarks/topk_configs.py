@@ -1,9 +1,13 @@
-"""Top-k attention under chosen kernel configs: how tile shapes change the top-k pass.
+"""Top-k attention under chosen kernel configs and sample sizes: where the time goes.
 
-    python benchmarks/topk_configs.py [--shape 4,16,4096,128] [--topk 64,256] [--configs BMxBNxWxS,...]
+    python benchmarks/topk_configs.py [--shape 4,16,4096,128] [--topk 64,256]
+                                      [--configs BMxBNxWxS,...] [--samples 512,1024]
 
-Each config is first checked against the float64 reference (batch 0, heads 0-1), then timed with
-triton.testing.do_bench (median). A config that fails to compile or run says why.
+For every (k, config, sample) the output is first checked against the float64 reference (batch 0,
+heads 0-1), then three medians of triton.testing.do_bench: the threshold kernel alone, the
+attention kernel alone (with those thresholds), and the whole call. `sample` is
+attngen.kernels.forward.TOPK_SAMPLE, the scores per row the threshold kernel samples first; the
+capture width follows from it (topk_widths). A config that fails to compile or run says why.
 """
 
 from __future__ import annotations
@@ -15,37 +19,60 @@ import torch
 import triton
 
 import attngen
+import attngen.kernels.forward as fwd
+from attngen.checks import check_qkv
 from attngen.config import KernelConfig
-from attngen.kernels.forward import attention_forward
 
-DEFAULT_CONFIGS = "16x64x4x2,32x64x4x2,16x128x4x1,32x128x4x1,16x256x4x1,32x256x4x1,32x256x8x1,64x256x8x1,64x64x4x2"
+DEFAULT_CONFIGS = "128x64x4x2t,128x64x8x2t,128x128x8x2t,64x64x4x2t"
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4,16,4096,128", help="B,H,S,D")
     p.add_argument("--topk", default="64,256")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK_M x BLOCK_N x warps x stages, comma-separated")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; a trailing t: with TMA")
+    p.add_argument("--samples", default="512", help="values of TOPK_SAMPLE, comma-separated")
     args = p.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(4321)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    shape = check_qkv(q, k, v, kernel=True)
+    scale = d ** -0.5
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
           f"B={b} H={h} S={s} D={d}")
-    print("| k | config | ms | rel. error |\n|---|---|---|---|")
+    print("| k | config | sample | capture | threshold ms | attention ms | total ms | rel. error |")
+    print("|---|---|---|---|---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
         ref = attngen.reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], topk=topk)
-        for text in args.configs.split(","):
-            bm, bn, warps, stages = (int(x) for x in text.split("x"))
-            config = KernelConfig(bm, bn, warps, stages)
-            run = lambda: attention_forward(q, k, v, topk=topk, config=config)[0]  # noqa: E731
-            try:
-                out = run()
-                error = float((out[:1, :2].double() - ref).norm() / ref.norm())
-                ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
-                print(f"| {topk} | {text} | {ms:.3f} | {error:.1e} |", flush=True)
-            except Exception as e:  # out of resources and the like
-                print(f"| {topk} | {text} | n/a | {type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
+        for sample in (int(x) for x in args.samples.split(",")):
+            fwd.TOPK_SAMPLE = sample
+            for text in args.configs.split(","):
+                bm, bn, warps, stages = (int(x) for x in text.rstrip("t").split("x"))
+                config = KernelConfig(bm, bn, warps, stages, use_tma=text.endswith("t"))
+                cap = fwd.topk_widths(topk, s, bn)[1]
+                try:
+                    run = lambda: fwd.attention_forward(q, k, v, topk=topk, config=config)[0]  # noqa: E731
+                    out = run()
+                    error = float((out[:1, :2].double() - ref).norm() / ref.norm())
+                    bound, structure = fwd.blocks(q, None, shape, config)
+                    thresholds = fwd.Thresholds(q, k, bound, structure, shape, scale, topk, config)
+                    thr = thresholds.run(q, k)
+                    out = torch.empty_like(q)
+                    kernel, grid, a, kw = fwd.launch_args(q, k, v, out, None, thr, bound, structure, shape, scale,
+                                                          config, config.use_tma)
+                    t_thr = bench(lambda: thresholds.run(q, k))
+                    t_att = bench(lambda: kernel[grid](*a, **kw))
+                    t_all = bench(run)
+                    print(f"| {topk} | {text} | {sample} | {cap} | {t_thr:.3f} | {t_att:.3f} | {t_all:.3f} | "
+                          f"{error:.1e} |", flush=True)
+                except Exception as e:  # out of resources and the like
+                    print(f"| {topk} | {text} | {sample} | {cap} | n/a | | | {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:80]} |", flush=True)
     return 0
 
 
