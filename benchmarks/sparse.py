@@ -8,7 +8,8 @@ of key blocks), run by attngen.block_sparse through the dispatcher, next to the 
 kernel and FlexAttention with the same block mask. TFLOP/s counts 4 * D FLOPs per visible pair.
 
 Top-k: attngen.attention(..., topk=K) next to the straightforward torch code (scores, torch.topk,
-mask, softmax, matmul); time and peak memory above the inputs. TFLOP/s counts the dense work
+mask, softmax, matmul), all at once and over 8 (batch, head) pairs at a time (the only way it runs
+at S=16384); time and peak memory above the inputs. TFLOP/s counts the dense work
 (4 * D per pair), as both methods must compute every score.
 
 Every method is first checked against the float64 reference on batch 0, heads 0-1 (the reference
