@@ -39,6 +39,7 @@ def check(q, k, v, mask, topk, config, dtype=torch.float32):
 @pytest.mark.parametrize("topk,config", [
     (1, KernelConfig(32, 32, 4, 1)),
     (8, KernelConfig(16, 16, 4, 1)),
+    (8, KernelConfig(16, 16, 4, 1, use_tma=True)),  # both kernels load K through tensor descriptors
     (40, KernelConfig(32, 16, 4, 1)),  # causal: the first 40 rows see fewer than topk keys
     (300, KernelConfig(16, 32, 4, 1)),  # more than Sk: every visible key
 ], ids=lambda x: str(x))
