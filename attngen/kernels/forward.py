@@ -127,6 +127,15 @@ def _strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch
     return [0 if t.shape[i] == 1 else t.stride(i) for i in range(3)]
 
 
+def shared_kwargs(q, shape, structure: masks_.BlockStructure, config: KernelConfig) -> dict:
+    """The compile options of attention_fwd and topk_threshold alike: top-k needs both kernels to
+    compute every score the same way (tiles, head dim, dot precision, warps), bit for bit."""
+    bm, bn = structure.block_size
+    return dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
+                DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 def launch_args(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure, shape, scale: float,
                 config: KernelConfig, use_tma: bool):
     """(kernel, grid, args, kwargs) of one attention launch on checked inputs and preallocated outputs.
@@ -134,7 +143,7 @@ def launch_args(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure,
     `thr`: None, or top-k thresholds (B * H * Sq floats) from the threshold launch.
     """
     kernel = kernel_for(bound.mask if bound is not None else None)
-    bm, bn = structure.block_size
+    bm = structure.block_size[0]
     if use_tma:
         _ensure_allocator()
     lse_arg = lse if lse is not None else out
@@ -144,10 +153,8 @@ def launch_args(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *structure_args(structure),
             shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale,
             *(bound.kernel_args if bound is not None else ()))
-    kwargs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
-                  STORE_LSE=lse is not None, USE_TMA=use_tma, WARP_SPECIALIZE=config.warp_specialize,
-                  DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous, TOPK=thr is not None,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+    kwargs = dict(shared_kwargs(q, shape, structure, config), STORE_LSE=lse is not None, USE_TMA=use_tma,
+                  WARP_SPECIALIZE=config.warp_specialize, TOPK=thr is not None)
     return kernel, grid, args, kwargs
 
 
@@ -168,11 +175,8 @@ class Thresholds:
         self.tail = (*structure_args(structure), shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group,
                      scale, topk, TOPK_MARGIN, *(bound.kernel_args if bound is not None else ()))
         self.rows = shape.batch * shape.heads * shape.q_len
-        self.kwargs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
-                           DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous,
-                           SAMPLE_W=sample_w, CAP_W=cap_w, GRID=TOPK_GRID, SLICE=16,
-                           ASM_STORE=q.device.type == "cuda", USE_TMA=False, num_warps=config.num_warps,
-                           num_stages=config.num_stages)
+        self.kwargs = dict(shared_kwargs(q, shape, structure, config), SAMPLE_W=sample_w, CAP_W=cap_w,
+                           GRID=TOPK_GRID, SLICE=16, ASM_STORE=q.device.type == "cuda", USE_TMA=False)
         self.tma = dict(self.kwargs, USE_TMA=True) if config.use_tma and tma_eligible(q, k) else None
 
     def run(self, q, k):
