@@ -80,11 +80,16 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 # Top-k thresholds (topk_threshold in the template): each row samples about TOPK_SAMPLE of its
 # scores, and the bracket it then captures keeps TOPK_MARGIN standard deviations of the sampled
-# count from the expected rank at either end, so that a row needs a second pass about once in
-# 30,000 (a normal tail beyond 4 sigma). The capture area is sized by the same margin.
+# count from the expected rank at either end, so that a row misses its bracket about once in 25
+# million (normal tails beyond 5.5 sigma): a miss costs its query tile more passes, which hold up
+# the whole call (one missed row in 262,144 at margin 4 added 2.6 ms to a 11 ms call, H200
+# 2026-11-30), and a call at B=4 H=16 S=16384 has a million rows. The capture area is sized by the
+# same margin. The sample is every stride-th key block, not a random one: keys whose scores
+# depend on their position (local attention) make the estimate worse and the retries more common.
 TOPK_SAMPLE = 512
-TOPK_MARGIN = 4.0
-TOPK_GRID = 16  # points at which the sample's counts are taken, evenly between its extremes
+TOPK_MARGIN = 5.5
+TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
+TOPK_GRID = 16  # points per counting round of a selection (two rounds narrow a bracket 289 times)
 
 
 def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
@@ -93,8 +98,8 @@ def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     A row whose key blocks all fit in the sample is captured whole. Otherwise the capture area
     holds the scores in the bracket: about (rank_lo - rank_hi) / f of them, where f is the sampled
     share of the key blocks (smallest for the longest rows), plus TOPK_MARGIN standard deviations,
-    rounded up to a power of two: the headroom takes the bracket's widening to the sample's grid
-    points. A row whose scores overflow the area costs its query tile one more pass.
+    rounded up to a power of two. A row whose scores overflow the area costs its query tile one
+    more pass.
     """
     sample_w = max(TOPK_SAMPLE, block_n)
     n_blocks = math.ceil(kv_len / block_n)
@@ -109,7 +114,12 @@ def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     rank_hi = max(0, math.floor(expect - spread - 1))
     inside = (rank_lo - rank_hi) / f
     need = inside + TOPK_MARGIN * math.sqrt(rank_lo - rank_hi) / f
-    return sample_w, max(sample_w, _pow2(need))
+    return sample_w, _pow2(need)
+
+
+def group_rows(width: int, block_m: int, num_warps: int) -> int:
+    """Rows a selection holds in registers at once: TOPK_GROUP_VALUES scores per thread."""
+    return max(1, min(block_m, TOPK_GROUP_VALUES * 32 * num_warps // width))
 
 
 def _pow2(x: float) -> int:
@@ -171,12 +181,14 @@ class Thresholds:
         n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
         programs = _programs(n_tiles, q.device)
         self.grid = (programs,)
-        self.work = programs * bm * cap_w
+        self.work = programs * bm * (sample_w + cap_w + 3)
         self.tail = (*structure_args(structure), shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group,
                      scale, topk, TOPK_MARGIN, *(bound.kernel_args if bound is not None else ()))
         self.rows = shape.batch * shape.heads * shape.q_len
+        warps = config.num_warps
         self.kwargs = dict(shared_kwargs(q, shape, structure, config), SAMPLE_W=sample_w, CAP_W=cap_w,
-                           GRID=TOPK_GRID, SLICE=16, ASM_STORE=q.device.type == "cuda", USE_TMA=False)
+                           SAMPLE_GROUP=group_rows(sample_w, bm, warps), CAP_GROUP=group_rows(cap_w, bm, warps),
+                           GRID=TOPK_GRID, ASM_STORE=q.device.type == "cuda", USE_TMA=False)
         self.tma = dict(self.kwargs, USE_TMA=True) if config.use_tma and tma_eligible(q, k) else None
 
     def run(self, q, k):
