@@ -22,7 +22,7 @@ import torch
 from . import masks as masks_
 from . import registry as registry_
 from .checks import check_qkv, check_scale, check_topk, topk_pad
-from .config import DEFAULTS, KernelConfig, arch_of, default_config
+from .config import KernelConfig, arch_of, default_entry
 from .kernels.forward import AttentionFunction, Plan, forward
 
 log = logging.getLogger("attngen")
@@ -111,9 +111,8 @@ def _choose(q, shape, mask: masks_.Mask | None, topk: int = 0) -> Choice:
         config, source = entry.kernel_config(), f"registry: {reason}"
     else:
         arch = arch_of(q.device)
-        config = default_config(arch, shape.head_dim)
-        bound = next(d for d, _ in DEFAULTS.get(arch, DEFAULTS["generic"]) if shape.head_dim <= d)
-        source = f"no registry entry for {gpu}; default config for {arch}, head dim <= {bound}"
+        config, row = default_entry(arch, shape.head_dim, topk=bool(topk))
+        source = f"no registry entry for {gpu}; {row}"
     if rows < config.block_m:  # a short query (decoding) fills a smaller tile
         config = replace(config, block_m=rows)
         source += f"; block_m cut to {rows} for q_len {shape.q_len}"
