@@ -89,7 +89,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 TOPK_SAMPLE = 512
 TOPK_MARGIN = 5.5
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
-TOPK_GRID = 16  # points per counting round of a selection (two rounds narrow a bracket 289 times)
+TOPK_GRID = 8  # points per counting round of a selection: two rounds narrow a bracket 81 times
 
 
 def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
