@@ -125,6 +125,18 @@ def test_bad_topk(topk, error, message):
             fn(q, k, v, topk=topk)
 
 
+def test_selection_groups_fit_the_tile():
+    # rows a selection holds in registers: a power of two, at least one, at most the tile's rows,
+    # and about TOPK_GROUP_VALUES values a thread
+    for width in (16, 128, 512, 1024, 4096):
+        for block_m in (16, 64, 128):
+            for warps in (4, 8):
+                rows = forward.group_rows(width, block_m, warps)
+                assert 1 <= rows <= block_m and rows & (rows - 1) == 0
+                if 1 < rows < block_m:
+                    assert rows * width == forward.TOPK_GROUP_VALUES * 32 * warps
+
+
 def test_capture_width_covers_the_bracket():
     # a row whose blocks all fit in the sample is captured whole
     assert forward.topk_widths(64, 300, 16) == (512, 512)
