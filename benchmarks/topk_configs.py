@@ -30,6 +30,22 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def parse_config(text: str) -> KernelConfig:
+    """BLOCK_M x BLOCK_N x warps x stages, a trailing t: with TMA (e.g. 128x64x4x2t)."""
+    bm, bn, warps, stages = (int(x) for x in text.rstrip("t").split("x"))
+    return KernelConfig(bm, bn, warps, stages, use_tma=text.endswith("t"))
+
+
+def random_inputs(shape_text: str, seed: int):
+    """(q, k, v, checked shape, scale, a line naming GPU, versions and shape): fresh bf16 randn of B,H,S,D."""
+    b, h, s, d = (int(x) for x in shape_text.split(","))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    env = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
+           f"B={b} H={h} S={s} D={d}")
+    return q, k, v, check_qkv(q, k, v, kernel=True), d ** -0.5, env
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4,16,4096,128", help="B,H,S,D")
@@ -38,13 +54,8 @@ def main() -> int:
                    help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; a trailing t: with TMA")
     p.add_argument("--samples", default="512", help="values of TOPK_SAMPLE, comma-separated")
     args = p.parse_args()
-    b, h, s, d = (int(x) for x in args.shape.split(","))
-    g = torch.Generator(device="cuda").manual_seed(4321)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    shape = check_qkv(q, k, v, kernel=True)
-    scale = d ** -0.5
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
-          f"B={b} H={h} S={s} D={d}")
+    q, k, v, shape, scale, env = random_inputs(args.shape, 4321)
+    print(env)
     print("| k | config | sample | capture | threshold ms | attention ms | total ms | rel. error |")
     print("|---|---|---|---|---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
@@ -52,9 +63,8 @@ def main() -> int:
         for sample in (int(x) for x in args.samples.split(",")):
             fwd.TOPK_SAMPLE = sample
             for text in args.configs.split(","):
-                bm, bn, warps, stages = (int(x) for x in text.rstrip("t").split("x"))
-                config = KernelConfig(bm, bn, warps, stages, use_tma=text.endswith("t"))
-                cap = fwd.topk_widths(topk, s, bn)[1]
+                config = parse_config(text)
+                cap = fwd.topk_widths(topk, shape.kv_len, config.block_n)[1]
                 try:
                     run = lambda: fwd.attention_forward(q, k, v, topk=topk, config=config)[0]  # noqa: E731
                     out = run()

@@ -20,14 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-import triton
-
 import attngen
 import attngen.kernels.forward as fwd
-from attngen.checks import check_qkv
-from attngen.config import KernelConfig
 from attngen.render import load_module
+from topk_configs import bench, parse_config, random_inputs  # benchmarks/ is on the path of its scripts
 
 # (name, [(old, new), ...]): each cut adds its edits to those of the cuts before it
 CUTS = [
@@ -63,16 +59,10 @@ def main() -> int:
     p.add_argument("--topk", default="64", help="comma-separated")
     p.add_argument("--config", default="128x64x4x2t", help="BLOCK_M x BLOCK_N x warps x stages; trailing t: TMA")
     args = p.parse_args()
-    b, h, s, d = (int(x) for x in args.shape.split(","))
-    bm, bn, warps, stages = (int(x) for x in args.config.rstrip("t").split("x"))
-    config = KernelConfig(bm, bn, warps, stages, use_tma=args.config.endswith("t"))
-    g = torch.Generator(device="cuda").manual_seed(9876)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    shape = check_qkv(q, k, v, kernel=True)
-    scale = d ** -0.5
+    config = parse_config(args.config)
+    q, k, v, shape, scale, env = random_inputs(args.shape, 9876)
     bound, structure = fwd.blocks(q, None, shape, config)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
-          f"B={b} H={h} S={s} D={d}, config {args.config}")
+    print(f"{env}, config {args.config}")
     print("| k | phases kept | threshold ms | less than the row above |")
     print("|---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
@@ -86,7 +76,7 @@ def main() -> int:
         for name, source in cut_sources(fwd.render_source(None)):
             thresholds.kernel = load_module(source).topk_threshold
             thresholds.run(q, k)
-            ms = triton.testing.do_bench(lambda: thresholds.run(q, k), warmup=25, rep=200, return_mode="median")
+            ms = bench(lambda: thresholds.run(q, k))
             delta = f"{before - ms:.3f}" if before is not None else f"(error {error:.1e})"
             print(f"| {topk} | {name} | {ms:.3f} | {delta} |", flush=True)
             before = ms
