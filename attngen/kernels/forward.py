@@ -89,7 +89,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 TOPK_SAMPLE = 512
 TOPK_MARGIN = 5.5
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
-TOPK_GRID = 8  # points per counting round of a selection: two rounds narrow a bracket 81 times
+TOPK_GRID = 6  # points per counting round of a selection: two rounds narrow a bracket 49 times
+# The threshold kernel is persistent and latency-bound (dependent counting steps, scattered
+# stores): it runs TOPK_SM_WARPS warps per SM, with registers capped to fit (3 programs of 4 warps
+# at 168 registers a thread took 6-11% off the call against 2 programs at 255, H200 2026-11-30,
+# run 19 in benchmarks/RESULTS.md).
+TOPK_SM_WARPS = 12
+REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper (sm_90) alike
 
 
 def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
@@ -126,11 +132,19 @@ def _pow2(x: float) -> int:
     return max(16, 1 << (math.ceil(x) - 1).bit_length())
 
 
-def _programs(n_tiles: int, device) -> int:
-    """Programs of the persistent top-k grid: two per SM (a few under the interpreter)."""
+def residency(num_warps: int) -> tuple[int, int | None]:
+    """(programs per SM, register cap a thread or None) of the threshold kernel at num_warps warps:
+    TOPK_SM_WARPS warps per SM where the register file holds them at 8-aligned caps of at most 255."""
+    per_sm = max(1, TOPK_SM_WARPS // num_warps)
+    cap = REGISTERS_PER_SM // (per_sm * num_warps * 32) // 8 * 8
+    return per_sm, (cap if cap < 255 else None)
+
+
+def _programs(n_tiles: int, device, per_sm: int) -> int:
+    """Programs of the persistent top-k grid: per_sm per SM (a few under the interpreter)."""
     if device.type != "cuda":
         return min(n_tiles, 3)
-    return min(n_tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch or head
@@ -179,7 +193,8 @@ class Thresholds:
         bm, bn = structure.block_size
         sample_w, cap_w = topk_widths(topk, shape.kv_len, bn)
         n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
-        programs = _programs(n_tiles, q.device)
+        per_sm, maxnreg = residency(config.num_warps)
+        programs = _programs(n_tiles, q.device, per_sm)
         self.grid = (programs,)
         self.work = programs * bm * (sample_w + cap_w + 3)
         self.tail = (*structure_args(structure), shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group,
@@ -189,6 +204,8 @@ class Thresholds:
         self.kwargs = dict(shared_kwargs(q, shape, structure, config), SAMPLE_W=sample_w, CAP_W=cap_w,
                            SAMPLE_GROUP=group_rows(sample_w, bm, warps), CAP_GROUP=group_rows(cap_w, bm, warps),
                            GRID=TOPK_GRID, ASM_STORE=q.device.type == "cuda", USE_TMA=False)
+        if maxnreg is not None and q.device.type == "cuda":
+            self.kwargs["maxnreg"] = maxnreg
         self.tma = dict(self.kwargs, USE_TMA=True) if config.use_tma and tma_eligible(q, k) else None
 
     def run(self, q, k):
