@@ -1,18 +1,20 @@
-"""Top-k attention under chosen kernel configs and sample sizes: where the time goes.
+"""Top-k attention under chosen kernel configs and threshold-kernel settings: where the time goes.
 
     python benchmarks/topk_configs.py [--shape 4,16,4096,128] [--topk 64,256]
-                                      [--configs BMxBNxWxS,...] [--samples 512,1024]
+                                      [--configs BMxBNxWxS,...] [--set TOPK_SAMPLE=512,1024 ...]
 
-For every (k, config, sample) the output is first checked against the float64 reference (batch 0,
+`--set NAME=V1,V2` (repeatable) sweeps a top-k constant of attngen.kernels.forward (TOPK_SAMPLE,
+TOPK_GRID, TOPK_COMPACT, TOPK_SM_WARPS, ...): every combination of the values is run. For every
+(k, combination, config) the output is first checked against the float64 reference (batch 0,
 heads 0-1), then three medians of triton.testing.do_bench: the threshold kernel alone, the
-attention kernel alone (with those thresholds), and the whole call. `sample` is
-attngen.kernels.forward.TOPK_SAMPLE, the scores per row the threshold kernel samples first; the
-capture width follows from it (topk_widths). A config that fails to compile or run says why.
+attention kernel alone (with those thresholds), and the whole call. The capture width follows
+from TOPK_SAMPLE (topk_widths). A config that fails to compile or run says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -52,16 +54,25 @@ def main() -> int:
     p.add_argument("--topk", default="64,256")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; a trailing t: with TMA")
-    p.add_argument("--samples", default="512", help="values of TOPK_SAMPLE, comma-separated")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
+                   help="a top-k constant of attngen.kernels.forward and the integer values to sweep (repeatable)")
     args = p.parse_args()
+    sweeps = []
+    for text in args.set:
+        name, _, values = text.partition("=")
+        if not name.startswith("TOPK_") or not hasattr(fwd, name) or not values:
+            p.error(f"--set {text!r}: expected TOPK_NAME=V1,V2 with a TOPK_ constant of attngen.kernels.forward")
+        sweeps.append((name, [int(x) for x in values.split(",")]))
     q, k, v, shape, scale, env = random_inputs(args.shape, 4321)
     print(env)
-    print("| k | config | sample | capture | threshold ms | attention ms | total ms | rel. error |")
+    print("| k | settings | config | capture | threshold ms | attention ms | total ms | rel. error |")
     print("|---|---|---|---|---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
         ref = attngen.reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], topk=topk)
-        for sample in (int(x) for x in args.samples.split(",")):
-            fwd.TOPK_SAMPLE = sample
+        for values in itertools.product(*(vals for _, vals in sweeps)):
+            settings = " ".join(f"{name}={value}" for (name, _), value in zip(sweeps, values)) or "as shipped"
+            for (name, _), value in zip(sweeps, values):
+                setattr(fwd, name, value)
             for text in args.configs.split(","):
                 config = parse_config(text)
                 cap = fwd.topk_widths(topk, shape.kv_len, config.block_n)[1]
@@ -78,10 +89,10 @@ def main() -> int:
                     t_thr = bench(lambda: thresholds.run(q, k))
                     t_att = bench(lambda: kernel[grid](*a, **kw))
                     t_all = bench(run)
-                    print(f"| {topk} | {text} | {sample} | {cap} | {t_thr:.3f} | {t_att:.3f} | {t_all:.3f} | "
+                    print(f"| {topk} | {settings} | {text} | {cap} | {t_thr:.3f} | {t_att:.3f} | {t_all:.3f} | "
                           f"{error:.1e} |", flush=True)
                 except Exception as e:  # out of resources and the like
-                    print(f"| {topk} | {text} | {sample} | {cap} | n/a | | | {type(e).__name__}: "
+                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | | | {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:80]} |", flush=True)
     return 0
 

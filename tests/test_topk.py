@@ -6,6 +6,11 @@ exact), "sampled" (a small sample brackets the threshold and one capture pass fi
 "missed" (no margin around the sample's estimate, so rows miss their bracket and retry).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -145,3 +150,15 @@ def test_capture_width_covers_the_bracket():
         sample, cap = forward.topk_widths(topk, kv_len, 64)
         assert sample == 512 and cap & (cap - 1) == 0
         assert cap >= 2 * topk  # the bracket's far end is well past the topk-th score
+
+
+@pytest.mark.parametrize("config", ["16 16 4 1 0", "64 64 4 2 1"], ids=["16x16", "64x64 TMA"])
+def test_threshold_kernel_compiles_for_hopper(config):
+    """The interpreter runs code that a GPU compiler may refuse (an int8 dot over 16 keys did, and
+    only the GPU run noticed): compile the threshold kernel for sm_90, as a CUDA launch would, in a
+    child process, at the smallest key blocks and at the sm_90 default for top-k."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(root / "tests" / "compile_hopper.py"), *config.split(), "64", "4096"],
+                            capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-4000:]

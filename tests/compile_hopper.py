@@ -1,0 +1,59 @@
+"""Compile the top-k threshold kernel for sm_90 on any machine, GPU or not: run as a child process
+(the tests' own process runs kernels under Triton's interpreter, which cannot compile them).
+
+    python tests/compile_hopper.py BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
+
+Builds the launch the way Thresholds does for a CUDA tensor (its kwargs, the asm stores, the
+register cap) and compiles it with Triton's bundled ptxas; prints `ok` and the registers used.
+"""
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import attngen.kernels.forward as fwd  # noqa: E402
+from attngen.checks import check_qkv  # noqa: E402
+from attngen.config import KernelConfig  # noqa: E402
+
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
+
+
+def main() -> int:
+    bm, bn, warps, stages, tma, topk, kv_len = (int(x) for x in sys.argv[1:8])
+    config = KernelConfig(bm, bn, warps, stages, use_tma=bool(tma))
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, kv_len, 128, dtype=torch.bfloat16)
+    shape = check_qkv(q, k, k, kernel=False)  # CPU tensors stand in for the shapes and strides only
+    bound, structure = fwd.blocks(q, None, shape, config)
+    thresholds = fwd.Thresholds(q, k, bound, structure, shape, 128 ** -0.5, topk, config)
+    kwargs = dict(thresholds.tma if thresholds.tma is not None else thresholds.kwargs, ASM_STORE=True)
+    options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages")}
+    cap = fwd.residency(warps)[1]
+    if cap is not None:
+        options["maxnreg"] = cap
+    kernel = thresholds.kernel
+    values = (q, k, torch.zeros(1), torch.zeros(1), *q.stride(), *k.stride(), *thresholds.tail)
+    signature = {}
+    for name, value in zip(kernel.arg_names, values):
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+    constants = {}
+    for name, value in kwargs.items():
+        signature[name] = "constexpr"
+        constants[(kernel.arg_names.index(name),)] = value
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    print("ok", compiled.metadata.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
