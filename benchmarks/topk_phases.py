@@ -35,10 +35,10 @@ CUTS = [
                     "earlier = tl.zeros_like(inside)")]),
     ("no stores", [("    _scatter(CAPTURE, rows[:, None] * CAP_W + slot, s, (inside > 0) & (slot < CAP_W), "
                     "ASM_STORE)\n", "")]),
-    ("sample only", [("        for i in tl.range(0, n_full):\n            s = _list_scores(",
-                      "        for i in tl.range(0, 0):\n            s = _list_scores("),
-                     ("        for i in tl.range(0, n_part):\n            s = _list_scores(",
-                      "        for i in tl.range(0, 0):\n            s = _list_scores(")]),
+    ("sample only", [("    for i in tl.range(0, n_full):\n        s = _list_scores(q, K_src, FULL_IDX, first_full,",
+                      "    for i in tl.range(0, 0):\n        s = _list_scores(q, K_src, FULL_IDX, first_full,"),
+                     ("    for i in tl.range(0, n_part):\n        s = _list_scores(q, K_src, PART_IDX, first_part,",
+                      "    for i in tl.range(0, 0):\n        s = _list_scores(q, K_src, PART_IDX, first_part,")]),
 ]
 
 
