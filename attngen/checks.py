@@ -26,6 +26,20 @@ class Shape:
         return self.heads // self.kv_heads
 
 
+def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
+    """A known failure of Triton's interpreter with these versions, or None: triton 3.6's
+    interpreter fails with numpy >= 2.4 in kernel loops whose bound is a run-time value (seen with
+    the top-k kernels: "TypeError: only 0-dimensional arrays can be converted to Python scalars")."""
+    def major_minor(version: str) -> tuple[int, ...]:
+        return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split(".")[:2])
+
+    if major_minor(triton_version) == (3, 6) and major_minor(numpy_version) >= (2, 4):
+        return (f"triton {triton_version}'s interpreter fails with numpy {numpy_version} (numpy >= 2.4) in kernel "
+                "loops with a run-time bound, the top-k kernels' among them; install numpy<2.4 to run kernels "
+                "under the interpreter")
+    return None
+
+
 def interpreter_on() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     from triton import knobs

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import torch
 
 from . import masks as masks_
 from . import registry as registry_
-from .checks import MAX_TOPK, check_topk, interpreter_on, topk_pad
+from .checks import MAX_TOPK, check_topk, interpreter_numpy_problem, interpreter_on, topk_pad
 from .config import KernelConfig, arch_of
 from .paths import cache_dir
 from .reference import TOLERANCE
@@ -424,10 +425,13 @@ def summary_table(rows) -> str:
     head = ["mask", "dtype", "D", "S", "B", "H/Hkv", "config (BMxBN, warps, stages, tma, ws)", "ms", "TFLOP/s",
             "SDPA ms", "SDPA", "speedup"]
     lines = []
+    notes = []
     for p, study, e in rows:
         if e is None:
             lines.append([p.variant, p.dtype, p.head_dim, p.seq_len, p.batch, f"{p.heads}/{p.kv_heads}",
                           "no config passed", "", "", "", "", ""])
+            if study is not None:
+                notes.append(f"{p.variant} {p.dtype} d{p.head_dim} s{p.seq_len}: {why_no_winner(study)}")
             continue
         c = e.config
         sdpa = e.sdpa_ms
@@ -439,7 +443,17 @@ def summary_table(rows) -> str:
                       f"{sdpa / e.ms:.2f}x" if sdpa else "n/a"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines] + notes)
+
+
+def why_no_winner(study) -> str:
+    """The most common reason the study's trials gave for failing, and how many gave it."""
+    trials = study.get_trials(deepcopy=False)
+    reasons = Counter(t.user_attrs["reason"] for t in trials if t.user_attrs.get("reason"))
+    if not reasons:
+        return "no trial finished"
+    top, count = reasons.most_common(1)[0]
+    return f"{count} of {len(trials)} trials: {top}"
 
 
 def problems_from_args(args) -> list[Problem]:
@@ -483,6 +497,13 @@ def main(args) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         print("attngen tune: running under Triton's interpreter on the CPU, on tiny shapes; the timings say "
               "nothing about a GPU and are stored under the 'interpreter' key", file=sys.stderr)
+        import importlib.metadata
+
+        import numpy
+
+        known = interpreter_numpy_problem(importlib.metadata.version("triton"), numpy.__version__)
+        if known:
+            print(f"attngen tune: warning: {known}", file=sys.stderr)
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress bar and the summary say it all

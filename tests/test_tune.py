@@ -1,17 +1,20 @@
 """The tuner, the search spaces and the dispatcher's use of the registry (CPU, interpreter)."""
 
+import importlib.metadata
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import numpy
 import optuna
 import pytest
 import torch
 
 import attngen
 from attngen import dispatch, registry, tune
+from attngen.checks import interpreter_numpy_problem
 from attngen.config import KernelConfig
 from attngen.space import SpaceError, default_space, load_space
 from conftest import DEVICE
@@ -164,6 +167,10 @@ print(attngen.dispatch.choose(q, q, q, "causal").config.as_dict())
     assert "causal(align='top_left')" in shown.stdout and "interpreter.yaml" in shown.stdout
 
 
+INTERPRETER_PROBLEM = interpreter_numpy_problem(importlib.metadata.version("triton"), numpy.__version__)
+
+
+@pytest.mark.skipif(INTERPRETER_PROBLEM is not None, reason=str(INTERPRETER_PROBLEM))
 def test_tune_topk_variants_reach_the_dispatcher(tmp_path):
     """`--topk 8`: its own variant, space and correctness gate (the top-k reference), used by topk calls only."""
     env = env_for(tmp_path)
@@ -399,3 +406,25 @@ def test_workers_share_one_study(tmp_path):
     done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     assert 10 <= len(done) <= 12 and len({t.number for t in done}) == len(done)
     assert len({t.user_attrs["worker"] for t in done}) == 2  # both workers ran trials
+
+
+def test_summary_says_why_a_problem_has_no_winner():
+    study = optuna.create_study(direction="maximize")
+    for reason in ("exit 1: CompilationError: out of shared memory", "relative error 1e-1 against the float64 "
+                   "reference", "exit 1: CompilationError: out of shared memory"):
+        study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, user_attrs={"reason": reason}))
+    text = tune.summary_table([(PROBLEM, study, None)])
+    assert "no config passed" in text
+    assert f"{PROBLEM.variant} fp16 d32 s40: 2 of 3 trials: exit 1: CompilationError: out of shared memory" in text
+    assert "no trial finished" in tune.summary_table([(PROBLEM, optuna.create_study(), None)])
+
+
+@pytest.mark.parametrize("triton_version,numpy_version,known", [
+    ("3.6.0", "2.5.2", True), ("3.6.1", "2.4.0", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.5.0", False),
+    ("3.6.0", "2.4.0rc1", True),
+])
+def test_known_interpreter_failure_is_named(triton_version, numpy_version, known):
+    message = interpreter_numpy_problem(triton_version, numpy_version)
+    assert (message is not None) == known
+    if known:
+        assert "numpy<2.4" in message and numpy_version in message
