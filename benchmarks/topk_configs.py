@@ -4,7 +4,7 @@
                                       [--configs BMxBNxWxS,...] [--set TOPK_SAMPLE=512,1024 ...]
 
 `--set NAME=V1,V2` (repeatable) sweeps a top-k constant of attngen.kernels.forward (TOPK_SAMPLE,
-TOPK_GRID, TOPK_COMPACT, TOPK_SM_WARPS, ...): every combination of the values is run. For every
+TOPK_GRID, TOPK_ROUNDS, TOPK_SM_WARPS, ...): every combination of the values is run. For every
 (k, combination, config) the output is first checked against the float64 reference (batch 0,
 heads 0-1), then three medians of triton.testing.do_bench: the threshold kernel alone, the
 attention kernel alone (with those thresholds), and the whole call. The capture width follows

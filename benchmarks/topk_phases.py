@@ -30,7 +30,7 @@ CUTS = [
     ("full", []),
     ("no retries", [("while tl.max(tl.where(done, 0, 1), 0) > 0:", "while tl.max(tl.where(done, 0, 1), 0) > 1:")]),
     ("no select", [("thr = _select(CAPTURE, CAP_W, SCR, tl.where(fits, n_in, 0), tl.where(fits, topk - ge_hi, 0), "
-                    "BLOCK_M,\n                      CAP_GROUP, GRID, ROUNDS, STEPS)", "thr = (ge_hi + n_in).to(tl.float32)")]),
+                    "BLOCK_M,\n                      CAP_GROUP, GRID, ROUNDS)", "thr = (ge_hi + n_in).to(tl.float32)")]),
     ("no prefix", [("earlier = tl.dot(inside.to(tl.int8), before, out_dtype=tl.int32)",
                     "earlier = tl.zeros_like(inside)")]),
     ("no stores", [("    _scatter(CAPTURE, rows[:, None] * CAP_W + slot, s, (inside > 0) & (slot < CAP_W), "

@@ -4,7 +4,7 @@
     python tests/compile_hopper.py BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
 
 Builds the launch the way Thresholds does for a CUDA tensor (its kwargs, the asm stores, the
-register cap) and compiles it with Triton's bundled ptxas; prints `ok` and the registers used.
+register cap) and compiles it with Triton's bundled ptxas; prints `ok` and the kernel's name.
 """
 
 import os
@@ -33,10 +33,7 @@ def main() -> int:
     bound, structure = fwd.blocks(q, None, shape, config)
     thresholds = fwd.Thresholds(q, k, bound, structure, shape, 128 ** -0.5, topk, config)
     kwargs = dict(thresholds.tma if thresholds.tma is not None else thresholds.kwargs, ASM_STORE=True)
-    options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages")}
-    cap = fwd.residency(warps)[1]
-    if cap is not None:
-        options["maxnreg"] = cap
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
     kernel = thresholds.kernel
     values = (q, k, torch.zeros(1), torch.zeros(1), *q.stride(), *k.stride(), *thresholds.tail)
     signature = {}

@@ -91,7 +91,6 @@ TOPK_MARGIN = 5.5
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 TOPK_GRID = 6  # points per counting round of a selection: two rounds narrow a bracket 49 times
 TOPK_ROUNDS = 2  # counting rounds of a selection over the captured scores before its exact search
-TOPK_STEPS = 0  # steps of that search unrolled before its loop
 # The threshold kernel is persistent and latency-bound (dependent counting steps, scattered
 # stores): it runs TOPK_SM_WARPS warps per SM, with registers capped to fit (3 programs of 4 warps
 # at 168 registers a thread took 6-11% off the call against 2 programs at 255, H200 2026-11-30,
@@ -205,9 +204,9 @@ class Thresholds:
         warps = config.num_warps
         self.kwargs = dict(shared_kwargs(q, shape, structure, config), SAMPLE_W=sample_w, CAP_W=cap_w,
                            SAMPLE_GROUP=group_rows(sample_w, bm, warps), CAP_GROUP=group_rows(cap_w, bm, warps),
-                           GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS, STEPS=TOPK_STEPS, ASM_STORE=q.device.type == "cuda",
+                           GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS, ASM_STORE=q.device.type == "cuda",
                            USE_TMA=False)
-        if maxnreg is not None and q.device.type == "cuda":
+        if maxnreg is not None:  # a launch option (the interpreter drops it)
             self.kwargs["maxnreg"] = maxnreg
         self.tma = dict(self.kwargs, USE_TMA=True) if config.use_tma and tma_eligible(q, k) else None
 
