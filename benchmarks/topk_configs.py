@@ -25,7 +25,7 @@ import attngen.kernels.forward as fwd
 from attngen.checks import check_qkv
 from attngen.config import KernelConfig
 
-DEFAULT_CONFIGS = "128x64x4x2t,128x64x8x2t,128x128x8x2t,64x64x4x2t"
+DEFAULT_CONFIGS = "128x64x4x2t,128x64x8x2t,128x128x8x2t,64x64x4x2t,64x64x4x3t"
 
 
 def bench(fn) -> float:

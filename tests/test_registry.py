@@ -73,7 +73,7 @@ def test_seq_bucket(n, bucket):
 def test_topk_has_its_own_fallback_where_measured():
     from attngen.config import default_config, default_entry
 
-    assert default_config("sm90", 128, topk=True) == KernelConfig(64, 64, 4, 2, use_tma=True)
+    assert default_config("sm90", 128, topk=True) == KernelConfig(64, 64, 4, 3, use_tma=True)
     assert default_config("sm90", 128) == KernelConfig(128, 64, 4, 2, use_tma=True)
     assert default_entry("sm90", 128, topk=True)[1] == "default top-k config for sm90, head dim <= 128"
     # no top-k row: the plain fallback
