@@ -79,6 +79,21 @@ def test_thresholds_are_exact_on_integer_scores(topk, mask, path):
     assert torch.equal((scores >= thr) & visible, (scores >= kth) & visible)
 
 
+@pytest.mark.parametrize("margin", [5.5, 0.0], ids=["margin", "no margin"])
+@pytest.mark.parametrize("topk,mask,integer", [(8, None, False), (20, "causal", False), (150, None, True)],
+                         ids=["k8", "k20 causal", "k150 ties"])
+def test_bracket_from_the_sample_candidates(topk, mask, integer, margin, monkeypatch):
+    """A sample of 8 key blocks of 16 (7 sampled over 25 blocks): a column samples more scores than
+    the 3 it keeps, so the bracket's ends come from bounds of the sampled counts; at K=150 the hi
+    end is finite. Without a margin, rows miss and retry."""
+    monkeypatch.setattr(forward, "TOPK_SAMPLE", 128)
+    monkeypatch.setattr(forward, "TOPK_MARGIN", margin)
+    q, k, v = rand_qkv(1, 2, 1, 64, 400, 16, torch.float32)
+    if integer:  # scores of small integers: many ties
+        q, k = q.round(), k.round()
+    check(q, k, v, mask, topk, KernelConfig(16, 16, 4, 1))
+
+
 def test_topk_after_score_modifiers_and_a_block_layout(path):
     """The k largest are taken among the visible, modified scores."""
     q, k, v = rand_qkv(1, 2, 2, 64, 80, 16, torch.float32)

@@ -197,13 +197,13 @@ class Thresholds:
         per_sm, maxnreg = residency(config.num_warps)
         programs = _programs(n_tiles, q.device, per_sm)
         self.grid = (programs,)
-        self.work = programs * bm * (sample_w + cap_w + 3)
+        self.work = programs * bm * (cap_w + 3)
         self.tail = (*structure_args(structure), shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group,
                      scale, topk, TOPK_MARGIN, *(bound.kernel_args if bound is not None else ()))
         self.rows = shape.batch * shape.heads * shape.q_len
         warps = config.num_warps
         self.kwargs = dict(shared_kwargs(q, shape, structure, config), SAMPLE_W=sample_w, CAP_W=cap_w,
-                           SAMPLE_GROUP=group_rows(sample_w, bm, warps), CAP_GROUP=group_rows(cap_w, bm, warps),
+                           CAP_GROUP=group_rows(cap_w, bm, warps),
                            GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS, ASM_STORE=q.device.type == "cuda",
                            USE_TMA=False)
         if maxnreg is not None:  # a launch option (the interpreter drops it)
