@@ -201,11 +201,9 @@ class Thresholds:
         self.tail = (*structure_args(structure), shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group,
                      scale, topk, TOPK_MARGIN, *(bound.kernel_args if bound is not None else ()))
         self.rows = shape.batch * shape.heads * shape.q_len
-        warps = config.num_warps
         self.kwargs = dict(shared_kwargs(q, shape, structure, config), SAMPLE_W=sample_w, CAP_W=cap_w,
-                           CAP_GROUP=group_rows(cap_w, bm, warps),
-                           GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS, ASM_STORE=q.device.type == "cuda",
-                           USE_TMA=False)
+                           CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS,
+                           ASM_STORE=q.device.type == "cuda", USE_TMA=False)
         if maxnreg is not None:  # a launch option (the interpreter drops it)
             self.kwargs["maxnreg"] = maxnreg
         self.tma = dict(self.kwargs, USE_TMA=True) if config.use_tma and tma_eligible(q, k) else None
