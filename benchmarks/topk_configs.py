@@ -4,11 +4,12 @@
                                       [--configs BMxBNxWxS,...] [--set TOPK_SAMPLE=512,1024 ...]
 
 `--set NAME=V1,V2` (repeatable) sweeps a top-k constant of attngen.kernels.forward (TOPK_SAMPLE,
-TOPK_GRID, TOPK_ROUNDS, TOPK_SM_WARPS, ...): every combination of the values is run. For every
+TOPK_GRID, TOPK_CAPTURE_SM_WARPS, TOPK_AREA_FLOATS, ...): every combination of the values is run. For every
 (k, combination, config) the output is first checked against the float64 reference (batch 0,
-heads 0-1), then three medians of triton.testing.do_bench: the threshold kernel alone, the
-attention kernel alone (with those thresholds), and the whole call. The capture width follows
-from TOPK_SAMPLE (topk_widths). A config that fails to compile or run says why.
+heads 0-1), then medians of triton.testing.do_bench: the threshold launches alone, each of their
+kernels alone (launch_times), the attention kernel alone (with those thresholds), and the whole
+call. The capture width follows from TOPK_SAMPLE (topk_widths). A config that fails to compile or
+run says why.
 """
 
 from __future__ import annotations
@@ -30,6 +31,24 @@ DEFAULT_CONFIGS = "128x64x4x2t,128x64x8x2t,128x128x8x2t,64x64x4x2t,64x64x4x3t"
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+KERNELS = ("topk_bracket", "topk_capture", "topk_select", "topk_threshold")
+
+
+def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], int]:
+    """The median time of each kernel of a threshold call (the chunks of a kernel summed), each
+    launch timed on its own after a whole call has filled the buffers, in the call's order (so
+    topk_threshold sees the tiles topk_select flagged); and the number of flagged tiles."""
+    buffers = thresholds.buffers(q.device)
+    launches = thresholds.launches(q, k, *buffers)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    flagged = int(buffers[5].sum())
+    times = dict.fromkeys(KERNELS, 0.0)
+    for kernel, grid, args, kwargs in launches:
+        times[kernel.fn.__name__] += bench(lambda: kernel[grid](*args, **kwargs))  # noqa: B023 (called at once)
+    return times, flagged
 
 
 def parse_config(text: str) -> KernelConfig:
@@ -65,8 +84,9 @@ def main() -> int:
         sweeps.append((name, [int(x) for x in values.split(",")]))
     q, k, v, shape, scale, env = random_inputs(args.shape, 4321)
     print(env)
-    print("| k | settings | config | capture | threshold ms | attention ms | total ms | rel. error |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| k | settings | config | capture | threshold ms | " + " | ".join(f"{name} ms" for name in KERNELS)
+          + " | flagged tiles | attention ms | total ms | rel. error |")
+    print("|---|---|---|---|---|" + "---|" * len(KERNELS) + "---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
         ref = attngen.reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], topk=topk)
         for values in itertools.product(*(vals for _, vals in sweeps)):
@@ -89,11 +109,13 @@ def main() -> int:
                     t_thr = bench(lambda: thresholds.run(q, k))
                     t_att = bench(lambda: kernel[grid](*a, **kw))
                     t_all = bench(run)
-                    print(f"| {topk} | {settings} | {text} | {cap} | {t_thr:.3f} | {t_att:.3f} | {t_all:.3f} | "
-                          f"{error:.1e} |", flush=True)
+                    parts, flagged = launch_times(thresholds, q, k)
+                    cells = " | ".join(f"{parts[name]:.3f}" for name in KERNELS)
+                    print(f"| {topk} | {settings} | {text} | {cap} | {t_thr:.3f} | {cells} | {flagged} | "
+                          f"{t_att:.3f} | {t_all:.3f} | {error:.1e} |", flush=True)
                 except Exception as e:  # out of resources and the like
-                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | | | {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:80]} |", flush=True)
+                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | {' | ' * len(KERNELS)} | | | "
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
     return 0
 
 

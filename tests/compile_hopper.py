@@ -3,8 +3,8 @@
 
     python tests/compile_hopper.py BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
 
-Builds the launch the way Thresholds does for a CUDA tensor (its kwargs, the asm stores, the
-register cap) and compiles it with Triton's bundled ptxas; prints `ok` and the kernel's name.
+Builds the launches the way Thresholds does for a CUDA tensor (their kwargs, the asm stores, the
+register cap) and compiles every kernel with Triton's bundled ptxas; prints `ok` and each kernel's name.
 """
 
 import os
@@ -32,23 +32,24 @@ def main() -> int:
     shape = check_qkv(q, k, k, kernel=False)  # CPU tensors stand in for the shapes and strides only
     bound, structure = fwd.blocks(q, None, shape, config)
     thresholds = fwd.Thresholds(q, k, bound, structure, shape, 128 ** -0.5, topk, config)
-    kwargs = dict(thresholds.tma if thresholds.tma is not None else thresholds.kwargs, ASM_STORE=True)
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
-    kernel = thresholds.kernel
-    values = (q, k, torch.zeros(1), torch.zeros(1), *q.stride(), *k.stride(), *thresholds.tail)
-    signature = {}
-    for name, value in zip(kernel.arg_names, values):
-        if isinstance(value, torch.Tensor):
-            signature[name] = POINTER_TYPES[value.dtype]
-        else:
-            signature[name] = "fp32" if isinstance(value, float) else "i32"
-    constants = {}
-    for name, value in kwargs.items():
-        signature[name] = "constexpr"
-        constants[(kernel.arg_names.index(name),)] = value
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    print("ok", compiled.metadata.name)
+    thresholds.tma = bool(tma)  # CPU tensors are never TMA-eligible; the config says what a GPU would run
+    buffers = thresholds.buffers(q.device)
+    for kernel, _, values, kwargs in thresholds.launches(q, k, *buffers):
+        kwargs = dict(kwargs, **({"ASM_STORE": True} if "ASM_STORE" in kwargs else {}))
+        options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
+        signature = {}
+        for name, value in zip(kernel.arg_names, values):
+            if isinstance(value, torch.Tensor):
+                signature[name] = POINTER_TYPES[value.dtype]
+            else:
+                signature[name] = "fp32" if isinstance(value, float) else "i32"
+        constants = {}
+        for name, value in kwargs.items():
+            signature[name] = "constexpr"
+            constants[(kernel.arg_names.index(name),)] = value
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        print("ok", compiled.metadata.name)
     return 0
 
 

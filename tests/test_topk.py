@@ -1,9 +1,10 @@
 """Top-k softmax: the kernels against the float64 reference, the tie rule, and bad arguments.
 
-The threshold kernel finds a row's threshold one of three ways, and every test here runs all
+The threshold kernels find a row's threshold one of three ways, and every test here runs all
 three (the `path` fixture): "whole" (the row's key blocks all fit in the sample, which is then
 exact), "sampled" (a small sample brackets the threshold and one capture pass finds it) and
-"missed" (no margin around the sample's estimate, so rows miss their bracket and retry).
+"missed" (no margin around the sample's estimate, so rows miss their bracket: topk_select flags
+their tiles, and topk_threshold redoes them with retries).
 """
 
 import os
@@ -157,6 +158,32 @@ def test_selection_groups_fit_the_tile():
                     assert rows * width == forward.TOPK_GROUP_VALUES * 32 * warps
 
 
+def test_select_programs_fit_the_tile():
+    # rows of a topk_select program: a power of two dividing the tile's rows, at least a row per
+    # warp where the tile has that many, and about TOPK_GROUP_VALUES values a thread
+    for width in (16, 128, 512, 1024, 4096):
+        for block_m in (16, 64, 128):
+            rows = forward.select_rows(width, block_m)
+            assert block_m % rows == 0 and rows & (rows - 1) == 0
+            assert rows >= min(block_m, forward.TOPK_SELECT_WARPS)
+            if forward.TOPK_SELECT_WARPS < rows < block_m:
+                assert rows * width == forward.TOPK_GROUP_VALUES * 32 * forward.TOPK_SELECT_WARPS
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_capture_areas_in_chunks(mask, path, monkeypatch):
+    """A call whose capture areas do not fit the area budget captures and selects chunk by chunk
+    (3 query tiles a chunk here, the last chunk short); the flagged tiles of every chunk are redone."""
+    config = KernelConfig(16, 16, 4, 1)
+    q, k, v = rand_qkv(1, 2, 1, 64, 150, 16, torch.float32)  # 8 query tiles of 16 rows
+    cap_w = forward.topk_widths(9, 150, 16)[1]
+    monkeypatch.setattr(forward, "TOPK_AREA_FLOATS", 3 * 16 * cap_w)
+    shape = check_qkv(q, k, v, kernel=True)
+    bound, structure = forward.blocks(q, attngen.masks.as_mask(mask), shape, config)
+    assert forward.Thresholds(q, k, bound, structure, shape, 1.0, 9, config).chunk == 3
+    check(q, k, v, mask, 9, config)
+
+
 def test_capture_width_covers_the_bracket():
     # a row whose blocks all fit in the sample is captured whole
     assert forward.topk_widths(64, 300, 16) == (512, 512)
@@ -168,12 +195,12 @@ def test_capture_width_covers_the_bracket():
 
 
 @pytest.mark.parametrize("config", ["16 16 4 1 0", "64 64 4 3 1"], ids=["16x16", "64x64 TMA"])
-def test_threshold_kernel_compiles_for_hopper(config):
+def test_threshold_kernels_compile_for_hopper(config):
     """The interpreter runs code that a GPU compiler may refuse (an int8 dot over 16 keys did, and
-    only the GPU run noticed): compile the threshold kernel for sm_90, as a CUDA launch would, in a
-    child process, at the smallest key blocks and at the sm_90 default for top-k."""
+    only the GPU run noticed): compile the four threshold kernels for sm_90, as a CUDA launch
+    would, in a child process, at the smallest key blocks and at the sm_90 default for top-k."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, str(root / "tests" / "compile_hopper.py"), *config.split(), "64", "4096"],
                             capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-4000:]
+    assert result.returncode == 0 and result.stdout.count("ok") == 4, result.stderr[-4000:]

@@ -91,11 +91,19 @@ TOPK_MARGIN = 5.5
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 TOPK_GRID = 6  # points per counting round of a selection: two rounds narrow a bracket 49 times
 TOPK_ROUNDS = 2  # counting rounds of a selection over the captured scores before its exact search
-# The threshold kernel is persistent and latency-bound (dependent counting steps, scattered
-# stores): it runs TOPK_SM_WARPS warps per SM, with registers capped to fit (3 programs of 4 warps
-# at 168 registers a thread took 6-11% off the call against 2 programs at 255, H200 2026-11-30,
-# run 19 in benchmarks/RESULTS.md).
+TOPK_SELECT_WARPS = 4  # warps of a topk_select program: a row per warp, or more where rows are narrow
+# The capture areas live in memory between topk_capture and topk_select; a call with more query
+# tiles than this many floats of area hold runs them chunk by chunk.
+TOPK_AREA_FLOATS = 64 << 20  # 256 MiB
+# The top-k kernels are latency-bound (dependent counting steps, scattered stores, few warps to
+# hide them): each runs a set number of warps per SM, with registers capped to fit (for the fused
+# kernel, 3 programs of 4 warps at 168 registers a thread took 6-11% off the call against 2
+# programs at 255, H200 2026-11-30, run 19 in benchmarks/RESULTS.md). TOPK_SM_WARPS is the fused
+# kernel's (topk_threshold, which only runs the flagged tiles now).
 TOPK_SM_WARPS = 12
+TOPK_BRACKET_SM_WARPS = 12
+TOPK_CAPTURE_SM_WARPS = 12
+TOPK_SELECT_SM_WARPS = 16
 REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper (sm_90) alike
 
 
@@ -129,14 +137,20 @@ def group_rows(width: int, block_m: int, num_warps: int) -> int:
     return max(1, min(block_m, TOPK_GROUP_VALUES * 32 * num_warps // width))
 
 
+def select_rows(width: int, block_m: int) -> int:
+    """Rows of a topk_select program: TOPK_GROUP_VALUES scores per thread, at least a row per warp."""
+    return min(block_m, max(TOPK_SELECT_WARPS, group_rows(width, block_m, TOPK_SELECT_WARPS)))
+
+
 def _pow2(x: float) -> int:
     return max(16, 1 << (math.ceil(x) - 1).bit_length())
 
 
-def residency(num_warps: int) -> tuple[int, int | None]:
-    """(programs per SM, register cap a thread or None) of the threshold kernel at num_warps warps:
-    TOPK_SM_WARPS warps per SM where the register file holds them at 8-aligned caps of at most 255."""
-    per_sm = max(1, TOPK_SM_WARPS // num_warps)
+def residency(num_warps: int, sm_warps: int | None = None) -> tuple[int, int | None]:
+    """(programs per SM, register cap a thread or None) of a top-k kernel at num_warps warps:
+    sm_warps (default TOPK_SM_WARPS) warps per SM where the register file holds them at 8-aligned
+    caps of at most 255."""
+    per_sm = max(1, (TOPK_SM_WARPS if sm_warps is None else sm_warps) // num_warps)
     cap = REGISTERS_PER_SM // (per_sm * num_warps * 32) // 8 * 8
     return per_sm, (cap if cap < 255 else None)
 
@@ -184,40 +198,80 @@ def launch_args(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure,
 
 
 class Thresholds:
-    """The top-k threshold launch of one call signature: topk_threshold with the attention
-    launch's tiles and warps (the same scores bit for bit), its work area allocated per call."""
+    """The top-k threshold launches of one call signature (topk_bracket, then topk_capture and
+    topk_select for each chunk of query tiles, then topk_threshold for the tiles they flagged; see
+    the template), with the attention launch's tiles and warps, so that every kernel computes the
+    same scores bit for bit. The work buffers are allocated per call."""
 
     def __init__(self, q, k, bound, structure: masks_.BlockStructure, shape, scale: float, topk: int,
                  config: KernelConfig):
         module = module_for(bound.mask if bound is not None else None)
-        self.kernel = module.topk_threshold
+        self.kernels = (module.topk_bracket, module.topk_capture, module.topk_select, module.topk_threshold)
         bm, bn = structure.block_size
         sample_w, cap_w = topk_widths(topk, shape.kv_len, bn)
-        n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
-        per_sm, maxnreg = residency(config.num_warps)
-        programs = _programs(n_tiles, q.device, per_sm)
-        self.grid = (programs,)
-        self.work = programs * bm * (cap_w + 3)
-        self.tail = (*structure_args(structure), shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group,
-                     scale, topk, TOPK_MARGIN, *(bound.kernel_args if bound is not None else ()))
+        self.bm, self.cap_w = bm, cap_w
+        self.n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
+        self.chunk = max(1, min(self.n_tiles, TOPK_AREA_FLOATS // (bm * cap_w)))
+        self.group = select_rows(cap_w, bm)
+        self.fallback_programs = _programs(self.n_tiles, q.device, 1)
         self.rows = shape.batch * shape.heads * shape.q_len
-        self.kwargs = dict(shared_kwargs(q, shape, structure, config), SAMPLE_W=sample_w, CAP_W=cap_w,
-                           CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS,
-                           ASM_STORE=q.device.type == "cuda", USE_TMA=False)
-        if maxnreg is not None:  # a launch option (the interpreter drops it)
-            self.kwargs["maxnreg"] = maxnreg
-        self.tma = dict(self.kwargs, USE_TMA=True) if config.use_tma and tma_eligible(q, k) else None
+        self.structure = structure_args(structure)
+        self.dims = (shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale)
+        self.mask_args = bound.kernel_args if bound is not None else ()
+        self.topk = topk
+        cuda = q.device.type == "cuda"
+        shared = shared_kwargs(q, shape, structure, config)
+        bracket = dict(shared, SAMPLE_W=sample_w, GRID=TOPK_GRID)
+        capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda)
+        fallback = dict(shared, SAMPLE_W=sample_w, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps),
+                        GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
+        select = dict(BLOCK_M=bm, CAP_W=cap_w, GROUP=self.group, GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS,
+                      num_warps=TOPK_SELECT_WARPS)
+        for kw, sm_warps in ((bracket, TOPK_BRACKET_SM_WARPS), (capture, TOPK_CAPTURE_SM_WARPS),
+                             (select, TOPK_SELECT_SM_WARPS), (fallback, TOPK_SM_WARPS)):
+            cap = residency(kw["num_warps"], sm_warps)[1]
+            if cap is not None:  # a launch option (the interpreter drops it)
+                kw["maxnreg"] = cap
+        self.select_kwargs = select
+        self.kwargs = {use: [dict(kw, USE_TMA=use) for kw in (bracket, capture, fallback)] for use in (False, True)}
+        self.tma = config.use_tma and tma_eligible(q, k)
+
+    def launches(self, q, k, thr, lo, hi, area, counts, flags, work):
+        """(kernel, grid, args, kwargs) of every launch of one call, in order."""
+        bracket, capture, select, fallback = self.kernels
+        use_tma = self.tma and (q.data_ptr() | k.data_ptr()) % 16 == 0
+        kw_bracket, kw_capture, kw_fallback = self.kwargs[use_tma]
+        qk = (*q.stride(), *k.stride(), *self.structure)
+        q_len = self.dims[2]
+        out = [(bracket, (self.n_tiles,), (q, k, lo, hi, *qk, *self.dims, self.topk, TOPK_MARGIN, *self.mask_args),
+                kw_bracket)]
+        for tile0 in range(0, self.n_tiles, self.chunk):
+            n = min(self.chunk, self.n_tiles - tile0)
+            out.append((capture, (n,), (q, k, lo, hi, area, counts, flags, *qk, *self.dims, tile0, *self.mask_args),
+                        kw_capture))
+            out.append((select, (n * self.bm // self.group,),
+                        (lo, area, counts, thr, flags, q_len, tile0, self.topk), self.select_kwargs))
+        out.append((fallback, (self.fallback_programs,),
+                    (q, k, thr, work, flags, *qk, *self.dims, self.topk, TOPK_MARGIN, *self.mask_args), kw_fallback))
+        return out
+
+    def buffers(self, device):
+        """(thr, lo, hi, area, counts, flags, work) of one call: thr is the result, B * H * Sq floats."""
+        f32 = dict(dtype=torch.float32, device=device)
+        return (torch.empty(self.rows, **f32), torch.empty(self.rows, **f32), torch.empty(self.rows, **f32),
+                torch.empty(self.chunk * self.bm * self.cap_w, **f32),
+                torch.empty(self.chunk * self.bm * 2, dtype=torch.int32, device=device),
+                torch.empty(self.n_tiles, dtype=torch.int32, device=device),
+                torch.empty(self.fallback_programs * self.bm * (self.cap_w + 3), **f32))
 
     def run(self, q, k):
         """Each query row's threshold: B * H * Sq floats."""
-        thr = torch.empty(self.rows, dtype=torch.float32, device=q.device)
-        work = torch.empty(self.work, dtype=torch.float32, device=q.device)
-        kwargs = self.kwargs
-        if self.tma is not None and (q.data_ptr() | k.data_ptr()) % 16 == 0:
-            kwargs = self.tma
+        buffers = self.buffers(q.device)
+        if self.tma:
             _ensure_allocator()
-        self.kernel[self.grid](q, k, thr, work, *q.stride(), *k.stride(), *self.tail, **kwargs)
-        return thr
+        for kernel, grid, args, kwargs in self.launches(q, k, *buffers):
+            kernel[grid](*args, **kwargs)
+        return buffers[0]
 
 
 def structure_args(structure: masks_.BlockStructure) -> tuple:
