@@ -184,14 +184,28 @@ def test_capture_areas_in_chunks(mask, path, monkeypatch):
     check(q, k, v, mask, 9, config)
 
 
+def test_a_sample_that_expects_too_few_is_doubled(path, monkeypatch):
+    """K=8 over 800 keys: a sample of 32 scores expects 0.3 of the 8 largest; doubled twice, 128
+    expect 1.3 (and are an eighth of the row)."""
+    if path == "whole":
+        pytest.skip("the sample covers every row whole on this path")
+    assert forward.topk_widths(8, 800, 16)[0] == 128
+    q, k, v = rand_qkv(1, 2, 1, 48, 800, 16, torch.float32)
+    check(q, k, v, None, 8, KernelConfig(16, 16, 4, 1))
+
+
 def test_capture_width_covers_the_bracket():
     # a row whose blocks all fit in the sample is captured whole
     assert forward.topk_widths(64, 300, 16) == (512, 512)
     assert forward.topk_widths(8, 100, 32) == (512, 128)
     for topk, kv_len in [(1, 4096), (64, 4096), (256, 4096), (64, 16384), (256, 16384), (1024, 16384)]:
         sample, cap = forward.topk_widths(topk, kv_len, 64)
-        assert sample == 512 and cap & (cap - 1) == 0
+        assert sample >= 512 and cap & (cap - 1) == 0 and sample & (sample - 1) == 0
+        # the sample expects a few of the topk largest, unless it is an eighth of the row already
+        assert topk * sample >= forward.TOPK_SAMPLE_EXPECT * kv_len or 8 * sample >= kv_len
+        assert sample == 512 or topk * sample < 2 * forward.TOPK_SAMPLE_EXPECT * kv_len  # and no larger
         assert cap >= 2 * topk  # the bracket's far end is well past the topk-th score
+    assert forward.topk_widths(64, 16384, 64)[0] == 1024
 
 
 @pytest.mark.parametrize("config", ["16 16 4 1 0", "64 64 4 3 1"], ids=["16x16", "64x64 TMA"])

@@ -32,7 +32,7 @@ _MODULES: dict = {}
 
 
 def module_for(mask: masks_.Mask | None):
-    """The rendered module of `mask`'s variant (attention_fwd, topk_threshold): imported once per process."""
+    """The rendered module of `mask`'s variant (attention_fwd, the top-k kernels): imported once per process."""
     key = None if mask is None else mask.key
     module = _MODULES.get(key)
     if module is None:
@@ -78,7 +78,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not interpreter_on() else "ieee"
 
 
-# Top-k thresholds (topk_threshold in the template): each row samples about TOPK_SAMPLE of its
+# Top-k thresholds (the top-k kernels of the template): each row samples about TOPK_SAMPLE of its
 # scores, and the bracket it then captures keeps TOPK_MARGIN standard deviations of the sampled
 # count from the expected rank at either end, so that a row misses its bracket about once in 25
 # million (normal tails beyond 5.5 sigma): a miss costs its query tile more passes, which hold up
@@ -88,6 +88,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 # depend on their position (local attention) make the estimate worse and the retries more common.
 TOPK_SAMPLE = 512
 TOPK_MARGIN = 5.5
+# A sample that expects fewer of the row's topk largest scores than this is doubled (up to an
+# eighth of the row): with few expected, the bracket's lo end is a low order statistic of the
+# sample, and the count above it has a long tail that the capture area's normal margin misses (at
+# S=16384 and K=64, 512 sampled scores expect 2, and 45 tiles in 16,384 overflowed their 1024-wide
+# areas and were redone, 4.6 ms of a 49 ms call, H200 2026-11-30, run 40 in benchmarks/RESULTS.md).
+TOPK_SAMPLE_EXPECT = 4
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 TOPK_GRID = 6  # points per counting round of a selection: two rounds narrow a bracket 49 times
 TOPK_ROUNDS = 2  # counting rounds of a selection over the captured scores before its exact search
@@ -110,6 +116,9 @@ REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper 
 def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     """(SAMPLE_W, CAP_W): scores per row in the sample and in the capture area.
 
+    The sample is TOPK_SAMPLE scores, doubled while it expects fewer than TOPK_SAMPLE_EXPECT of
+    the topk largest and is under an eighth of the row (powers of two: few compiled variants).
+
     A row whose key blocks all fit in the sample is captured whole. Otherwise the capture area
     holds the scores in the bracket: about (rank_lo - rank_hi) / f of them, where f is the sampled
     share of the key blocks (smallest for the longest rows), plus TOPK_MARGIN standard deviations,
@@ -117,6 +126,8 @@ def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     more pass.
     """
     sample_w = max(TOPK_SAMPLE, block_n)
+    while topk * sample_w < TOPK_SAMPLE_EXPECT * kv_len and 8 * sample_w < kv_len:
+        sample_w *= 2
     n_blocks = math.ceil(kv_len / block_n)
     per = sample_w // block_n
     stride = max(math.ceil(n_blocks / per), 1)
