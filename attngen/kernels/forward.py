@@ -104,8 +104,10 @@ TOPK_AREA_FLOATS = 64 << 20  # 256 MiB
 # The top-k kernels are latency-bound (dependent counting steps, scattered stores, few warps to
 # hide them): each runs a set number of warps per SM, with registers capped to fit (for the fused
 # kernel, 3 programs of 4 warps at 168 registers a thread took 6-11% off the call against 2
-# programs at 255, H200 2026-11-30, run 19 in benchmarks/RESULTS.md). TOPK_SM_WARPS is the fused
-# kernel's (topk_threshold, which only runs the flagged tiles now).
+# programs at 255, H200 2026-11-30, run 19 in benchmarks/RESULTS.md). TOPK_SM_WARPS sets the fused
+# kernel's register cap (topk_threshold, which only redoes the flagged tiles now): that kernel keeps
+# the cap it was measured with, but its persistent grid is one program per SM, since few tiles are
+# flagged and every program holds a work area.
 TOPK_SM_WARPS = 12
 TOPK_BRACKET_SM_WARPS = 12
 TOPK_CAPTURE_SM_WARPS = 12
@@ -157,20 +159,19 @@ def _pow2(x: float) -> int:
     return max(16, 1 << (math.ceil(x) - 1).bit_length())
 
 
-def residency(num_warps: int, sm_warps: int | None = None) -> tuple[int, int | None]:
-    """(programs per SM, register cap a thread or None) of a top-k kernel at num_warps warps:
-    sm_warps (default TOPK_SM_WARPS) warps per SM where the register file holds them at 8-aligned
-    caps of at most 255."""
-    per_sm = max(1, (TOPK_SM_WARPS if sm_warps is None else sm_warps) // num_warps)
+def register_cap(num_warps: int, sm_warps: int) -> int | None:
+    """A top-k kernel's register cap a thread at num_warps warps, sm_warps warps per SM (8-aligned,
+    None where the register file holds them at 255)."""
+    per_sm = max(1, sm_warps // num_warps)
     cap = REGISTERS_PER_SM // (per_sm * num_warps * 32) // 8 * 8
-    return per_sm, (cap if cap < 255 else None)
+    return cap if cap < 255 else None
 
 
-def _programs(n_tiles: int, device, per_sm: int) -> int:
-    """Programs of the persistent top-k grid: per_sm per SM (a few under the interpreter)."""
+def _programs(n_tiles: int, device) -> int:
+    """Programs of topk_threshold's persistent grid: one per SM (a few under the interpreter)."""
     if device.type != "cuda":
         return min(n_tiles, 3)
-    return min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch or head
@@ -224,7 +225,7 @@ class Thresholds:
         self.n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
         self.chunk = max(1, min(self.n_tiles, TOPK_AREA_FLOATS // (bm * cap_w)))
         self.group = select_rows(cap_w, bm)
-        self.fallback_programs = _programs(self.n_tiles, q.device, 1)
+        self.fallback_programs = _programs(self.n_tiles, q.device)
         self.rows = shape.batch * shape.heads * shape.q_len
         self.structure = structure_args(structure)
         self.dims = (shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale)
@@ -240,7 +241,7 @@ class Thresholds:
                       num_warps=TOPK_SELECT_WARPS)
         for kw, sm_warps in ((bracket, TOPK_BRACKET_SM_WARPS), (capture, TOPK_CAPTURE_SM_WARPS),
                              (select, TOPK_SELECT_SM_WARPS), (fallback, TOPK_SM_WARPS)):
-            cap = residency(kw["num_warps"], sm_warps)[1]
+            cap = register_cap(kw["num_warps"], sm_warps)
             if cap is not None:  # a launch option (the interpreter drops it)
                 kw["maxnreg"] = cap
         self.select_kwargs = select
