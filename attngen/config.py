@@ -91,26 +91,15 @@ def arch_of(device) -> str:
     return "generic"
 
 
-# Top-k softmax (topk=...) runs a threshold kernel with the attention kernel's tiles; on an H200 the
-# pair was faster with 64-row tiles (2026-11-30, B=4 H=16 D=128 bf16, benchmarks/RESULTS.md, "Top-k
-# softmax, third kernel"): the threshold kernel gains more than the attention kernel loses. Three
-# pipeline stages took 4-6% off the call against two, in both kernels (run 32 there).
-TOPK_DEFAULTS: dict[str, list[tuple[int, KernelConfig]]] = {
-    "sm90": [(128, KernelConfig(64, 64, 4, 3, use_tma=True))],
-}
-
-
-def default_entry(arch: str, head_dim: int, topk: bool = False) -> tuple[KernelConfig, str]:
-    """The fallback config of an architecture for a head dim, and which row of which table it is
-    (top-k softmax first looks in TOPK_DEFAULTS)."""
-    tables = [("top-k ", TOPK_DEFAULTS.get(arch, []))] if topk else []
-    tables.append(("", DEFAULTS.get(arch, DEFAULTS["generic"])))
-    for kind, table in tables:
-        for max_d, config in table:
-            if head_dim <= max_d:
-                return config, f"default {kind}config for {arch}, head dim <= {max_d}"
+def default_entry(arch: str, head_dim: int) -> tuple[KernelConfig, str]:
+    """The fallback config of an architecture for a head dim, and which row of DEFAULTS it is.
+    Top-k calls take it too: on Hopper their threshold kernels run at tiles of their own
+    (attngen.kernels.forward.threshold_config)."""
+    for max_d, config in DEFAULTS.get(arch, DEFAULTS["generic"]):
+        if head_dim <= max_d:
+            return config, f"default config for {arch}, head dim <= {max_d}"
     raise ValueError(f"no default config for head dim {head_dim}")
 
 
-def default_config(arch: str, head_dim: int, topk: bool = False) -> KernelConfig:
-    return default_entry(arch, head_dim, topk)[0]
+def default_config(arch: str, head_dim: int) -> KernelConfig:
+    return default_entry(arch, head_dim)[0]

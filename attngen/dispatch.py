@@ -111,7 +111,7 @@ def _choose(q, shape, mask: masks_.Mask | None, topk: int = 0) -> Choice:
         config, source = entry.kernel_config(), f"registry: {reason}"
     else:
         arch = arch_of(q.device)
-        config, row = default_entry(arch, shape.head_dim, topk=bool(topk))
+        config, row = default_entry(arch, shape.head_dim)
         source = f"no registry entry for {gpu}; {row}"
     if rows < config.block_m:  # a short query (decoding) fills a smaller tile
         config = replace(config, block_m=rows)

@@ -396,7 +396,7 @@ def starting_points(problem: Problem, settings: Settings, values: dict) -> list[
     found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
                                     settings.gpu).lookup(problem.entry_key())
     configs = [found[0].kernel_config()] if found else []
-    configs.append(default_config(settings.arch, problem.head_dim, topk=bool(problem.effective_topk)))
+    configs.append(default_config(settings.arch, problem.head_dim))
     inside = [c for c in configs if all(getattr(c, n) in values[n] for n in values)]
     return list(dict.fromkeys(inside))
 

@@ -8,8 +8,9 @@ TOPK_GRID, TOPK_CAPTURE_SM_WARPS, TOPK_AREA_FLOATS, ...): every combination of t
 (k, combination, config) the output is first checked against the float64 reference (batch 0,
 heads 0-1), then medians of triton.testing.do_bench: the threshold launches alone, each of their
 kernels alone (launch_times), the attention kernel alone (with those thresholds), and the whole
-call. The capture width follows from TOPK_SAMPLE (topk_widths). A config that fails to compile or
-run says why.
+call. The capture width follows from TOPK_SAMPLE (topk_widths). A config is the attention
+kernel's: the threshold kernels run at threshold_config(config) (on Hopper, their own tiles). A
+config that fails to compile or run says why.
 """
 
 from __future__ import annotations

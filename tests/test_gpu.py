@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import attngen
+import attngen.kernels.forward as forward
+from attngen.config import KernelConfig
 from attngen.kernels.forward import attention_forward
 from conftest import assert_close, poisoned_like, rand_qkv
 from masks_zoo import ZOO
@@ -67,6 +69,26 @@ def test_topk_realistic(topk, mask, dtype):
     out, lse = attngen.attention(q, k, v, mask=mask, topk=topk, return_lse=True)
     ref, ref_lse = attngen.reference.attention(q, k, v, mask=mask, topk=topk, return_lse=True)
     assert_close(out, ref, dtype, lse, ref_lse)
+
+
+@pytest.mark.parametrize("topk", [64, 256])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_topk_thresholds_at_their_own_tiles(topk, mask, monkeypatch):
+    """On Hopper the threshold kernels run at their own tiles (threshold_config), whatever the
+    attention kernel's: only right if both compute every score bit for bit the same, so that each
+    row keeps the same keys as with thresholds found at the attention's tiles (equal outputs)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the threshold kernels share the attention's tiles off Hopper")
+    q, k, v = rand_qkv(2, 8, 2, 2000, 2000, 128, torch.bfloat16, device="cuda")
+    ref = attngen.reference.attention(q, k, v, mask, topk=topk)
+    for config in (KernelConfig(128, 64, 4, 2, use_tma=True), KernelConfig(128, 64, 8, 2)):
+        assert forward.threshold_config(config, q.device) != config
+        own, _ = attention_forward(q, k, v, mask, topk=topk, config=config)
+        with monkeypatch.context() as m:
+            m.setattr(forward, "threshold_config", lambda config, device: config)
+            shared, _ = attention_forward(q, k, v, mask, topk=topk, config=config)
+        assert torch.equal(own, shared), config
+        assert_close(own, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("density", [0.5, 0.1])

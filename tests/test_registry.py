@@ -70,18 +70,6 @@ def test_seq_bucket(n, bucket):
     assert seq_bucket(n) == bucket
 
 
-def test_topk_has_its_own_fallback_where_measured():
-    from attngen.config import default_config, default_entry
-
-    assert default_config("sm90", 128, topk=True) == KernelConfig(64, 64, 4, 3, use_tma=True)
-    assert default_config("sm90", 128) == KernelConfig(128, 64, 4, 2, use_tma=True)
-    assert default_entry("sm90", 128, topk=True)[1] == "default top-k config for sm90, head dim <= 128"
-    # no top-k row: the plain fallback
-    assert default_entry("sm90", 256, topk=True) == default_entry("sm90", 256)
-    assert default_entry("sm80", 64, topk=True) == (default_config("sm80", 64),
-                                                     "default config for sm80, head dim <= 64")
-
-
 def test_config_fields_are_kernel_config_fields():
     assert list(registry.CONFIG_FIELDS) == [f.name for f in dataclasses.fields(KernelConfig)]
 

@@ -208,6 +208,27 @@ def test_capture_width_covers_the_bracket():
     assert forward.topk_widths(64, 16384, 64)[0] == 1024
 
 
+def test_threshold_tiles(monkeypatch):
+    # on Hopper, the threshold kernels run at TOPK_THRESHOLD_TILE for attention tiles whose scores
+    # wgmma computes the same way (tests/test_gpu.py checks that on the GPU); anywhere else, and for
+    # other tiles, at the attention's own config
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(forward, "interpreter_on", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    block_m, warps, stages = forward.TOPK_THRESHOLD_TILE
+    for tma in (False, True):
+        for config in (KernelConfig(128, 64, 4, 2, tma), KernelConfig(128, 64, 8, 3, tma),
+                       KernelConfig(64, 64, 4, 1, tma)):
+            assert forward.threshold_config(config, cuda) == KernelConfig(block_m, 64, warps, stages, use_tma=tma)
+    for config in (KernelConfig(128, 128, 4, 2), KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2),
+                   KernelConfig(128, 64, 2, 2)):
+        assert forward.threshold_config(config, cuda) == config
+    config = KernelConfig(128, 64, 4, 2)
+    assert forward.threshold_config(config, torch.device("cpu")) == config
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert forward.threshold_config(config, cuda) == config
+
+
 @pytest.mark.parametrize("config", ["16 16 4 1 0", "64 64 4 3 1"], ids=["16x16", "64x64 TMA"])
 def test_threshold_kernels_compile_for_hopper(config):
     """The interpreter runs code that a GPU compiler may refuse (an int8 dot over 16 keys did, and

@@ -117,6 +117,15 @@ TOPK_SELECT_SM_WARPS = 16
 # 1.45 to 1.12 ms (K=64) and 1.76 to 1.65 ms (K=256) against 3, at S=4096 (H200 run 41).
 TOPK_CAPTURE_STAGES = 2
 REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper (sm_90) alike
+# The threshold kernels' tiles on Hopper (BLOCK_M, warps, stages), whatever the attention kernel's:
+# every score must come out of both bit for bit the same, and wgmma computes a score the same way
+# for any number of rows and warps a tile (H200 run 41: thresholds from 128x64 tiles at 4 and 8
+# warps and from 64x64 tiles at 2 stages equal those from 64x64 tiles at 4 warps and 3 stages on
+# all 262,144 rows at S=4096). So the attention kernel may take the tiles it runs fastest at
+# (128x64, 4 warps: 1.105 ms against 1.182 at K=64), and the threshold kernels keep theirs.
+# Elsewhere both share the call's config: under the interpreter, numpy's matmul sums in another
+# order for another tile shape, and other GPUs were not checked.
+TOPK_THRESHOLD_TILE = (64, 4, 3)
 
 
 def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
@@ -178,6 +187,17 @@ def _programs(n_tiles: int, device) -> int:
     return min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def threshold_config(config: KernelConfig, device) -> KernelConfig:
+    """The config of a top-k call's threshold kernels when its attention kernel runs at `config`:
+    TOPK_THRESHOLD_TILE on Hopper for key blocks of 64 and wgmma tiles (64 or 128 rows, 4 or 8
+    warps), the attention's own config otherwise."""
+    if (device.type == "cuda" and not interpreter_on() and torch.cuda.get_device_capability(device)[0] == 9
+            and config.block_n == 64 and config.block_m in (64, 128) and config.num_warps in (4, 8)):
+        block_m, warps, stages = TOPK_THRESHOLD_TILE
+        return KernelConfig(block_m, config.block_n, warps, stages, use_tma=config.use_tma)
+    return config
+
+
 def _strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch or head
     return [0 if t.shape[i] == 1 else t.stride(i) for i in range(3)]
 
@@ -216,11 +236,18 @@ def launch_args(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure,
 class Thresholds:
     """The top-k threshold launches of one call signature (topk_bracket, then topk_capture and
     topk_select for each chunk of query tiles, then topk_threshold for the tiles they flagged; see
-    the template), with the attention launch's tiles and warps, so that every kernel computes the
-    same scores bit for bit. The work buffers are allocated per call."""
+    the template) for an attention launch at `config` over `structure`. They run at
+    threshold_config(config), over their own block structure where its tiles differ: either way,
+    every kernel computes the same scores bit for bit. The work buffers are allocated per call."""
 
     def __init__(self, q, k, bound, structure: masks_.BlockStructure, shape, scale: float, topk: int,
                  config: KernelConfig):
+        own = threshold_config(config, q.device)
+        if own != config:
+            structure = masks_.block_structure(bound.mask if bound is not None else None, shape.q_len,
+                                               shape.kv_len, (own.block_m, own.block_n), batch=shape.batch,
+                                               heads=shape.heads, device=q.device, bound=bound)
+            config = own
         module = module_for(bound.mask if bound is not None else None)
         self.kernels = (module.topk_bracket, module.topk_capture, module.topk_select, module.topk_threshold)
         bm, bn = structure.block_size
