@@ -203,8 +203,9 @@ def _strides3(t):  # (B, H, M[, N]) with 0 for a dimension shared by every batch
 
 
 def shared_kwargs(q, shape, structure: masks_.BlockStructure, config: KernelConfig) -> dict:
-    """The compile options of attention_fwd and topk_threshold alike: top-k needs both kernels to
-    compute every score the same way (tiles, head dim, dot precision, warps), bit for bit."""
+    """The compile options that the attention kernel and the top-k kernels take alike from their
+    config and block structure: top-k needs every kernel to compute every score the same way (head
+    dim, dot precision, key blocks; tiles and warps as threshold_config allows), bit for bit."""
     bm, bn = structure.block_size
     return dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn,
                 DOT_PRECISION=dot_precision(q.dtype), CONTIGUOUS=structure.contiguous,
