@@ -80,6 +80,24 @@ def test_thresholds_are_exact_on_integer_scores(topk, mask, path):
     assert torch.equal((scores >= thr) & visible, (scores >= kth) & visible)
 
 
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_thresholds_at_tiles_of_their_own(mask, path, monkeypatch):
+    """Threshold kernels at other tiles than the attention kernel's (threshold_config: on Hopper;
+    forced here), over a block structure of their own: exact where every score comes out the same
+    at both tiles, as integer-valued ones do under the interpreter."""
+    monkeypatch.setattr(forward, "threshold_config", lambda config, device: KernelConfig(32, 16, 4, 1))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-2, 3, (1, 2, 50, 16), generator=g).float().to(DEVICE)
+    k = torch.randint(-2, 3, (1, 2, 200, 16), generator=g).float().to(DEVICE)
+    v = torch.randn(1, 2, 200, 16, generator=g).to(DEVICE)
+    config = KernelConfig(16, 16, 4, 1)
+    shape = check_qkv(q, k, v, kernel=True)
+    bound, structure = forward.blocks(q, attngen.masks.as_mask(mask), shape, config)
+    thresholds = forward.Thresholds(q, k, bound, structure, shape, 1.0, 7, config)
+    assert thresholds.bm == 32
+    check(q, k, v, mask, 7, config)
+
+
 @pytest.mark.parametrize("margin", [5.5, 0.0], ids=["margin", "no margin"])
 @pytest.mark.parametrize("topk,mask,integer", [(8, None, False), (20, "causal", False), (150, None, True)],
                          ids=["k8", "k20 causal", "k150 ties"])
