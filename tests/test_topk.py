@@ -177,8 +177,8 @@ def test_selection_groups_fit_the_tile():
 
 
 def test_select_programs_fit_the_tile():
-    # rows of a topk_select program: a power of two dividing the tile's rows, at least a row per
-    # warp where the tile has that many, and about TOPK_GROUP_VALUES values a thread
+    # rows of a topk_select program: a power of two dividing the tile's rows, at least
+    # TOPK_SELECT_WARPS where the tile has that many, and about TOPK_GROUP_VALUES values a thread
     for width in (16, 128, 512, 1024, 4096):
         for block_m in (16, 64, 128):
             rows = forward.select_rows(width, block_m)
@@ -251,7 +251,7 @@ def test_threshold_tiles(monkeypatch):
 def test_threshold_kernels_compile_for_hopper(config):
     """The interpreter runs code that a GPU compiler may refuse (an int8 dot over 16 keys did, and
     only the GPU run noticed): compile the four threshold kernels for sm_90, as a CUDA launch
-    would, in a child process, at the smallest key blocks and at the sm_90 default for top-k."""
+    would, in a child process, at the smallest key blocks and at the threshold tiles of sm_90."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, str(root / "tests" / "compile_hopper.py"), *config.split(), "64", "4096"],

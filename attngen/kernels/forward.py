@@ -97,7 +97,7 @@ TOPK_SAMPLE_EXPECT = 4
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 TOPK_GRID = 6  # points per counting round of a selection: two rounds narrow a bracket 49 times
 TOPK_ROUNDS = 2  # counting rounds of a selection over the captured scores before its exact search
-TOPK_SELECT_WARPS = 4  # warps of a topk_select program: a row per warp, or more where rows are narrow
+TOPK_SELECT_WARPS = 4  # warps of a topk_select program, and the fewest rows it takes (fewer were slower)
 # The capture areas live in memory between topk_capture and topk_select; a call with more query
 # tiles than this many floats of area hold runs them chunk by chunk.
 TOPK_AREA_FLOATS = 64 << 20  # 256 MiB
@@ -105,7 +105,7 @@ TOPK_AREA_FLOATS = 64 << 20  # 256 MiB
 # hide them): each runs a set number of warps per SM, with registers capped to fit (for the fused
 # kernel, 3 programs of 4 warps at 168 registers a thread took 6-11% off the call against 2
 # programs at 255, H200 2026-11-30, run 19 in benchmarks/RESULTS.md). TOPK_SM_WARPS sets the fused
-# kernel's register cap (topk_threshold, which only redoes the flagged tiles now): that kernel keeps
+# kernel's register cap (topk_threshold, which only retries the rows of flagged tiles now): it keeps
 # the cap it was measured with, but its persistent grid is one program per SM, since few tiles are
 # flagged and every program holds a work area.
 TOPK_SM_WARPS = 12
@@ -164,7 +164,8 @@ def group_rows(width: int, block_m: int, num_warps: int) -> int:
 
 
 def select_rows(width: int, block_m: int) -> int:
-    """Rows of a topk_select program: TOPK_GROUP_VALUES scores per thread, at least a row per warp."""
+    """Rows of a topk_select program: TOPK_GROUP_VALUES scores per thread, at least TOPK_SELECT_WARPS
+    rows (half the rows a program at K=256, S=4096 made the selection 2.9x slower, H200 run 39)."""
     return min(block_m, max(TOPK_SELECT_WARPS, group_rows(width, block_m, TOPK_SELECT_WARPS)))
 
 
@@ -267,8 +268,8 @@ class Thresholds:
         shared = shared_kwargs(q, shape, structure, config)
         bracket = dict(shared, SAMPLE_W=sample_w, GRID=TOPK_GRID)
         capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda, num_stages=TOPK_CAPTURE_STAGES)
-        fallback = dict(shared, SAMPLE_W=sample_w, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps),
-                        GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
+        fallback = dict(shared, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID,
+                        ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
         select = dict(BLOCK_M=bm, CAP_W=cap_w, GROUP=self.group, GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS,
                       num_warps=TOPK_SELECT_WARPS)
         for kw, sm_warps in ((bracket, TOPK_BRACKET_SM_WARPS), (capture, TOPK_CAPTURE_SM_WARPS),
@@ -296,15 +297,16 @@ class Thresholds:
             out.append((select, (n * self.bm // self.group,),
                         (lo, area, counts, thr, flags, q_len, tile0, self.topk), self.select_kwargs))
         out.append((fallback, (self.fallback_programs,),
-                    (q, k, thr, work, flags, *qk, *self.dims, self.topk, TOPK_MARGIN, *self.mask_args), kw_fallback))
+                    (q, k, lo, hi, counts, thr, work, flags, *qk, *self.dims, self.topk, *self.mask_args), kw_fallback))
         return out
 
     def buffers(self, device):
-        """(thr, lo, hi, area, counts, flags, work) of one call: thr is the result, B * H * Sq floats."""
+        """(thr, lo, hi, area, counts, flags, work) of one call: thr is the result, B * H * Sq floats;
+        lo, hi and counts (2 a row) are per row too, area per chunk of tiles."""
         f32 = dict(dtype=torch.float32, device=device)
         return (torch.empty(self.rows, **f32), torch.empty(self.rows, **f32), torch.empty(self.rows, **f32),
                 torch.empty(self.chunk * self.bm * self.cap_w, **f32),
-                torch.empty(self.chunk * self.bm * 2, dtype=torch.int32, device=device),
+                torch.empty(self.rows * 2, dtype=torch.int32, device=device),
                 torch.empty(self.n_tiles, dtype=torch.int32, device=device),
                 torch.empty(self.fallback_programs * self.bm * (self.cap_w + 3), **f32))
 
