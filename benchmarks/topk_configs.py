@@ -4,7 +4,8 @@
                                       [--configs BMxBNxWxS,...] [--set TOPK_SAMPLE=512,1024 ...]
 
 `--set NAME=V1,V2` (repeatable) sweeps a top-k constant of attngen.kernels.forward (TOPK_SAMPLE,
-TOPK_GRID, TOPK_CAPTURE_SM_WARPS, TOPK_AREA_FLOATS, ...): every combination of the values is run. For every
+TOPK_GRID, TOPK_CAPTURE_PROGRAMS, TOPK_AREA_FLOATS, ...; a tuple's values with colons, as in
+TOPK_THRESHOLD_TILE=128:8:2,64:4:3): every combination of the values is run. For every
 (k, combination, config) the output is first checked against the float64 reference (batch 0,
 heads 0-1), then medians of triton.testing.do_bench: the threshold launches alone, each of their
 kernels alone (launch_times), the attention kernel alone (with those thresholds), and the whole
@@ -52,6 +53,11 @@ def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], in
     return times, flagged
 
 
+def parse_value(text: str) -> int | tuple[int, ...]:
+    """An integer, or a tuple of integers written with colons (TOPK_THRESHOLD_TILE=128:8:2)."""
+    return tuple(int(x) for x in text.split(":")) if ":" in text else int(text)
+
+
 def parse_config(text: str) -> KernelConfig:
     """BLOCK_M x BLOCK_N x warps x stages, a trailing t: with TMA (e.g. 128x64x4x2t)."""
     bm, bn, warps, stages = (int(x) for x in text.rstrip("t").split("x"))
@@ -75,14 +81,15 @@ def main() -> int:
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; a trailing t: with TMA")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
-                   help="a top-k constant of attngen.kernels.forward and the integer values to sweep (repeatable)")
+                   help="a top-k constant of attngen.kernels.forward and the values to sweep: integers, or tuples "
+                        "with colons (repeatable)")
     args = p.parse_args()
     sweeps = []
     for text in args.set:
         name, _, values = text.partition("=")
         if not name.startswith("TOPK_") or not hasattr(fwd, name) or not values:
             p.error(f"--set {text!r}: expected TOPK_NAME=V1,V2 with a TOPK_ constant of attngen.kernels.forward")
-        sweeps.append((name, [int(x) for x in values.split(",")]))
+        sweeps.append((name, [parse_value(x) for x in values.split(",")]))
     q, k, v, shape, scale, env = random_inputs(args.shape, 4321)
     print(env)
     print("| k | settings | config | capture | threshold ms | " + " | ".join(f"{name} ms" for name in KERNELS)
