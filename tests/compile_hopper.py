@@ -4,7 +4,8 @@
     python tests/compile_hopper.py BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
 
 Builds the launches the way Thresholds does for a CUDA tensor (their kwargs, the asm stores, the
-register cap) and compiles every kernel with Triton's bundled ptxas; prints `ok` and each kernel's name.
+register cap) and compiles every launch with Triton's bundled ptxas; prints `ok`, the kernel's name and
+its shared memory in bytes for each.
 """
 
 import os
@@ -49,7 +50,7 @@ def main() -> int:
             constants[(kernel.arg_names.index(name),)] = value
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32), options=options)
-        print("ok", compiled.metadata.name)
+        print("ok", compiled.metadata.name, compiled.metadata.shared)
     return 0
 
 

@@ -202,6 +202,23 @@ def test_capture_areas_in_chunks(mask, path, monkeypatch):
     check(q, k, v, mask, 9, config)
 
 
+def test_capture_setup_and_chunks():
+    # the capture runs the dense setup (deeper pipeline, fewer programs an SM) where the bracket is
+    # expected to take more than TOPK_DENSE_CAPTURE of a row's keys (B=4 H=16 D=128 on an H200:
+    # 5% at K=64 and S=4096 or K=256 and S=16384, 13% at K=256 and S=4096)
+    sparse = (forward.TOPK_CAPTURE_STAGES, forward.TOPK_CAPTURE_PROGRAMS)
+    dense = (forward.TOPK_DENSE_CAPTURE_STAGES, forward.TOPK_DENSE_CAPTURE_PROGRAMS)
+    assert forward.capture_setup(64, 4096, 64) == forward.capture_setup(256, 16384, 64) == sparse
+    assert forward.capture_setup(256, 4096, 64) == forward.capture_setup(512, 4096, 64) == dense
+    assert forward.capture_setup(8, 100, 16) == dense  # rows the sample covers whole: every score captured
+    # a chunk takes every tile when all areas fit, else as many as fit, or one wave of programs
+    # where that is under two
+    assert forward.chunk_tiles(1000, 1000, 396) == forward.chunk_tiles(1000, 5000, 396) == 1000
+    assert forward.chunk_tiles(16384, 512, 396) == 396
+    assert forward.chunk_tiles(16384, 792, 396) == 792 and forward.chunk_tiles(4096, 2048, 396) == 2048
+    assert forward.chunk_tiles(16384, 300, 396) == 300 and forward.chunk_tiles(10, 0, 3) == 1
+
+
 def test_a_sample_that_expects_too_few_is_doubled(path, monkeypatch):
     """K=8 over 800 keys: a sample of 32 scores expects 0.3 of the 8 largest; doubled twice, 128
     expect 1.3 (and are an eighth of the row)."""
@@ -247,13 +264,23 @@ def test_threshold_tiles(monkeypatch):
     assert forward.threshold_config(config, cuda) == config
 
 
+SM90_SHARED = 233472  # shared memory of an sm_90 SM, of which each resident program reserves 1 KB
+SM90_RESERVED = 1024
+
+
 @pytest.mark.parametrize("config", ["16 16 4 1 0", "64 64 4 3 1"], ids=["16x16", "64x64 TMA"])
 def test_threshold_kernels_compile_for_hopper(config):
     """The interpreter runs code that a GPU compiler may refuse (an int8 dot over 16 keys did, and
-    only the GPU run noticed): compile the four threshold kernels for sm_90, as a CUDA launch
-    would, in a child process, at the smallest key blocks and at the threshold tiles of sm_90."""
+    only the GPU run noticed): compile the threshold kernels for sm_90, as a CUDA launch would, in
+    a child process, at the smallest key blocks and at the threshold tiles of sm_90: topk_bracket,
+    topk_capture without and with the count above hi, topk_select and topk_threshold."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, str(root / "tests" / "compile_hopper.py"), *config.split(), "64", "4096"],
                             capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0 and result.stdout.count("ok") == 4, result.stderr[-4000:]
+    assert result.returncode == 0 and result.stdout.count("ok") == 5, result.stderr[-4000:]
+    # both captures leave room in an SM's shared memory for the programs an SM they are sized for
+    # (compiled into one kernel, the two passes took 88 KB, room for 2 where 3 were meant to run)
+    programs = forward.capture_setup(64, 4096, int(config.split()[1]))[1]
+    shared = [int(line.split()[2]) for line in result.stdout.splitlines() if line.startswith("ok topk_capture")]
+    assert len(shared) == 2 and all(programs * (size + SM90_RESERVED) <= SM90_SHARED for size in shared), shared

@@ -110,12 +110,18 @@ TOPK_AREA_FLOATS = 64 << 20  # 256 MiB
 # flagged and every program holds a work area.
 TOPK_SM_WARPS = 12
 TOPK_BRACKET_SM_WARPS = 12
-TOPK_CAPTURE_SM_WARPS = 12
 TOPK_SELECT_SM_WARPS = 16
-# Pipeline stages of topk_capture's key loop (its own: the stages change how keys are loaded, not
-# the scores): with the software-pipelined loop of _capture_pass, 2 stages took the kernel from
-# 1.45 to 1.12 ms (K=64) and 1.76 to 1.65 ms (K=256) against 3, at S=4096 (H200 run 41).
+# topk_capture's pipeline stages and programs an SM (its own: the stages change how keys are
+# loaded, not the scores). At 2 stages a program takes 55 KB of shared memory on sm_90, so 3 run on
+# an SM; at 4 stages 88 KB, so 2. Where the bracket captures more than TOPK_DENSE_CAPTURE of a
+# row's keys the stores bound the kernel, and 4 stages with 2 programs an SM are faster: H200 run
+# 50 at B=4 H=16 D=128, S=4096, capture kernel at 2 / 4 stages (ms): K=64 (5% captured) 1.016 /
+# 1.074, K=128 (8%) 1.330 / 1.273, K=256 (13%) 1.900 / 1.685, K=512 (18%) 3.119 / 2.318.
 TOPK_CAPTURE_STAGES = 2
+TOPK_CAPTURE_PROGRAMS = 3
+TOPK_DENSE_CAPTURE_STAGES = 4
+TOPK_DENSE_CAPTURE_PROGRAMS = 2
+TOPK_DENSE_CAPTURE = 0.06
 REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper (sm_90) alike
 # The threshold kernels' tiles on Hopper (BLOCK_M, warps, stages), whatever the attention kernel's:
 # every score must come out of both bit for bit the same, and wgmma computes a score the same way
@@ -126,6 +132,25 @@ REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper 
 # Elsewhere both share the call's config: under the interpreter, numpy's matmul sums in another
 # order for another tile shape, and other GPUs were not checked.
 TOPK_THRESHOLD_TILE = (64, 4, 3)
+
+
+def _sampled(topk: int, kv_len: int, block_n: int) -> tuple[int, float, int]:
+    """(SAMPLE_W, expected captures a row, CAP_W) of rows of kv_len keys (see topk_widths)."""
+    sample_w = max(TOPK_SAMPLE, block_n)
+    while topk * sample_w < TOPK_SAMPLE_EXPECT * kv_len and 8 * sample_w < kv_len:
+        sample_w *= 2
+    n_blocks = math.ceil(kv_len / block_n)
+    per = sample_w // block_n
+    stride = max(math.ceil(n_blocks / per), 1)
+    if stride == 1:
+        return sample_w, kv_len, _pow2(min(sample_w, n_blocks * block_n))
+    f = math.ceil(n_blocks / stride) / n_blocks
+    expect = topk * f
+    spread = TOPK_MARGIN * math.sqrt(expect)
+    rank_lo = math.ceil(expect + spread + 2)
+    rank_hi = max(0, math.floor(expect - spread - 1))
+    inside = (rank_lo - rank_hi) / f
+    return sample_w, inside, _pow2(inside + TOPK_MARGIN * math.sqrt(rank_lo - rank_hi) / f)
 
 
 def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
@@ -140,22 +165,29 @@ def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     rounded up to a power of two. A row whose scores overflow the area costs its query tile one
     more pass.
     """
-    sample_w = max(TOPK_SAMPLE, block_n)
-    while topk * sample_w < TOPK_SAMPLE_EXPECT * kv_len and 8 * sample_w < kv_len:
-        sample_w *= 2
-    n_blocks = math.ceil(kv_len / block_n)
-    per = sample_w // block_n
-    stride = max(math.ceil(n_blocks / per), 1)
-    if stride == 1:
-        return sample_w, _pow2(min(sample_w, n_blocks * block_n))
-    f = math.ceil(n_blocks / stride) / n_blocks
-    expect = topk * f
-    spread = TOPK_MARGIN * math.sqrt(expect)
-    rank_lo = math.ceil(expect + spread + 2)
-    rank_hi = max(0, math.floor(expect - spread - 1))
-    inside = (rank_lo - rank_hi) / f
-    need = inside + TOPK_MARGIN * math.sqrt(rank_lo - rank_hi) / f
-    return sample_w, _pow2(need)
+    sample_w, _, cap_w = _sampled(topk, kv_len, block_n)
+    return sample_w, cap_w
+
+
+def capture_setup(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
+    """topk_capture's (pipeline stages, programs an SM): the dense ones where the bracket is
+    expected to capture more than TOPK_DENSE_CAPTURE of a row's keys."""
+    if _sampled(topk, kv_len, block_n)[1] > TOPK_DENSE_CAPTURE * kv_len:
+        return TOPK_DENSE_CAPTURE_STAGES, TOPK_DENSE_CAPTURE_PROGRAMS
+    return TOPK_CAPTURE_STAGES, TOPK_CAPTURE_PROGRAMS
+
+
+def chunk_tiles(n_tiles: int, fit: int, resident: int) -> int:
+    """Query tiles a chunk of topk_capture and topk_select takes: all of them where `fit` (the
+    tiles whose capture areas TOPK_AREA_FLOATS holds) are all; else `fit`, or `resident` (the
+    capture programs that run at once) where fit is under 2 of them: a program runs its tile's
+    whole key loop, so a chunk of 1.3 waves takes about as long as 2 (B=4 H=16 S=16384 K=256 on an
+    H200: capture kernel 18.96 ms at 512 tiles a chunk, run 50, and 15.76 at 396, run 49); chunks
+    of more waves lose little to their last one (S=4096 K=64: 1.004 ms at 2048 tiles, run 47, and
+    1.063 at 1980, run 49)."""
+    if n_tiles <= fit:
+        return n_tiles
+    return resident if resident <= fit < 2 * resident else max(fit, 1)
 
 
 def group_rows(width: int, block_m: int, num_warps: int) -> int:
@@ -181,11 +213,12 @@ def register_cap(num_warps: int, sm_warps: int) -> int | None:
     return cap if cap < 255 else None
 
 
-def _programs(n_tiles: int, device) -> int:
-    """Programs of topk_threshold's persistent grid: one per SM (a few under the interpreter)."""
+def _programs(n_tiles: int, device, per_sm: int = 1) -> int:
+    """Programs that run at once at per_sm an SM, at most n_tiles (a few under the interpreter):
+    topk_threshold's persistent grid is one an SM."""
     if device.type != "cuda":
         return min(n_tiles, 3)
-    return min(n_tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def threshold_config(config: KernelConfig, device) -> KernelConfig:
@@ -254,9 +287,11 @@ class Thresholds:
         self.kernels = (module.topk_bracket, module.topk_capture, module.topk_select, module.topk_threshold)
         bm, bn = structure.block_size
         sample_w, cap_w = topk_widths(topk, shape.kv_len, bn)
+        stages, programs = capture_setup(topk, shape.kv_len, bn)
         self.bm, self.cap_w = bm, cap_w
         self.n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
-        self.chunk = max(1, min(self.n_tiles, TOPK_AREA_FLOATS // (bm * cap_w)))
+        resident = _programs(self.n_tiles, q.device, programs)
+        self.chunk = chunk_tiles(self.n_tiles, TOPK_AREA_FLOATS // (bm * cap_w), resident)
         self.group = select_rows(cap_w, bm)
         self.fallback_programs = _programs(self.n_tiles, q.device)
         self.rows = shape.batch * shape.heads * shape.q_len
@@ -267,12 +302,12 @@ class Thresholds:
         cuda = q.device.type == "cuda"
         shared = shared_kwargs(q, shape, structure, config)
         bracket = dict(shared, SAMPLE_W=sample_w, GRID=TOPK_GRID)
-        capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda, num_stages=TOPK_CAPTURE_STAGES)
+        capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda, num_stages=stages)
         fallback = dict(shared, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID,
                         ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
         select = dict(BLOCK_M=bm, CAP_W=cap_w, GROUP=self.group, GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS,
                       num_warps=TOPK_SELECT_WARPS)
-        for kw, sm_warps in ((bracket, TOPK_BRACKET_SM_WARPS), (capture, TOPK_CAPTURE_SM_WARPS),
+        for kw, sm_warps in ((bracket, TOPK_BRACKET_SM_WARPS), (capture, programs * config.num_warps),
                              (select, TOPK_SELECT_SM_WARPS), (fallback, TOPK_SM_WARPS)):
             cap = register_cap(kw["num_warps"], sm_warps)
             if cap is not None:  # a launch option (the interpreter drops it)
@@ -292,8 +327,9 @@ class Thresholds:
                 kw_bracket)]
         for tile0 in range(0, self.n_tiles, self.chunk):
             n = min(self.chunk, self.n_tiles - tile0)
-            out.append((capture, (n,), (q, k, lo, hi, area, counts, flags, *qk, *self.dims, tile0, *self.mask_args),
-                        kw_capture))
+            for has_hi in (False, True):  # the tiles whose hi is +inf in every row (the usual ones), the others
+                out.append((capture, (n,), (q, k, lo, hi, area, counts, flags, *qk, *self.dims, tile0,
+                                            *self.mask_args), dict(kw_capture, HAS_HI=has_hi)))
             out.append((select, (n * self.bm // self.group,),
                         (lo, area, counts, thr, flags, q_len, tile0, self.topk), self.select_kwargs))
         out.append((fallback, (self.fallback_programs,),
