@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import attngen
 import attngen.kernels.forward as forward
@@ -227,6 +229,57 @@ def test_a_sample_that_expects_too_few_is_doubled(path, monkeypatch):
     assert forward.topk_widths(8, 800, 16)[0] == 128
     q, k, v = rand_qkv(1, 2, 1, 48, 800, 16, torch.float32)
     check(q, k, v, None, 8, KernelConfig(16, 16, 4, 1))
+
+
+_HELPERS = forward.module_for(None)  # the rendered template's selection helpers, called from a test kernel
+_load_group, _count_group, _extremes, _search_start, _refine = (
+    _HELPERS._load_group, _HELPERS._count_group, _HELPERS._extremes, _HELPERS._search_start, _HELPERS._refine)
+
+
+@triton.jit
+def _selection_probe(VALS, N, T, R, OUT, W: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr):
+    """Per row of VALS (GROUP rows of W, the first N[row] written): the count of values >= T[row],
+    then the bracket (lo, hi, c_lo, c_hi) after one counting round for rank R[row]."""
+    rows = tl.arange(0, GROUP)
+    n = tl.load(N + rows)
+    r = tl.load(R + rows)
+    vals = _load_group(VALS, W, 0, n, GROUP)
+    tl.store(OUT + rows, _count_group(vals, tl.load(T + rows)).to(tl.float32))
+    bottom, top_up = _extremes(vals)
+    lo, hi, c_lo, c_hi, valid = _search_start(bottom, top_up, n, r)
+    lo, hi, c_lo, c_hi = _refine(vals, r, lo, hi, c_lo, c_hi, GRID)
+    tl.store(OUT + GROUP + rows, lo)
+    tl.store(OUT + 2 * GROUP + rows, hi)
+    tl.store(OUT + 3 * GROUP + rows, c_lo.to(tl.float32))
+    tl.store(OUT + 4 * GROUP + rows, c_hi.to(tl.float32))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a helper test: the interpreter runs it on any machine")
+@pytest.mark.parametrize("width", [256, 1024])
+def test_selection_counts_are_the_compares(width):
+    # the selection counts values below a point by the sign of their difference (and two points a
+    # sum): they must equal the float compares, at signed zeros, ties, extremes and -inf padding too
+    group, grid = 4, 6
+    g = torch.Generator().manual_seed(width)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.4028234663852886e38, -3.4028234663852886e38, 1e-45, -1e-45])
+    vals = torch.full((group, width), float("-inf"))
+    n = torch.tensor([width, width - 3, width // 2, 5], dtype=torch.int32)
+    for row in range(group):
+        x = torch.randint(-3, 4, (int(n[row]),), generator=g).float()  # many ties
+        x[: len(special)] = special[: int(n[row])] if row < 3 else x[: len(special)]
+        if row == 1:
+            x = torch.randn(int(n[row]), generator=g) * 1e-38  # tiny, with denormal differences
+        vals[row, : int(n[row])] = x
+    thresholds = torch.tensor([0.0, -0.0, 1.0, 2.5])
+    ranks = torch.tensor([1, int(n[1]) // 3, int(n[2]), 3], dtype=torch.int32)
+    out = torch.full((5 * group,), float("nan"))
+    _selection_probe[(1,)](vals, n, thresholds, ranks, out, W=width, GROUP=group, GRID=grid)
+    counts, lo, hi, c_lo, c_hi = out.view(5, group)
+    for row in range(group):
+        written = vals[row, : int(n[row])]
+        assert counts[row] == (written >= thresholds[row]).sum(), row
+        assert c_lo[row] == (written >= lo[row]).sum() >= ranks[row] > (written >= hi[row]).sum() == c_hi[row], row
+        assert lo[row] < hi[row]
 
 
 def test_capture_width_covers_the_bracket():

@@ -97,7 +97,10 @@ TOPK_SAMPLE_EXPECT = 4
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 TOPK_GRID = 6  # points per counting round of a selection: two rounds narrow a bracket 49 times
 TOPK_ROUNDS = 2  # counting rounds of a selection over the captured scores before its exact search
-TOPK_SELECT_WARPS = 4  # warps of a topk_select program, and the fewest rows it takes (fewer were slower)
+# Warps of a topk_select program, and the fewest rows it takes. One warp a program: a row's counts
+# need no shared memory or barrier, and the row's search is not done over again by every warp (H200
+# run 52, B=4 H=16 S=4096: selection 0.596 / 0.985 ms at K=64 / 256 against 0.658 / 1.191 at 4 warps).
+TOPK_SELECT_WARPS = 1
 # The capture areas live in memory between topk_capture and topk_select; a call with more query
 # tiles than this many floats of area hold runs them chunk by chunk.
 TOPK_AREA_FLOATS = 64 << 20  # 256 MiB
@@ -197,7 +200,7 @@ def group_rows(width: int, block_m: int, num_warps: int) -> int:
 
 def select_rows(width: int, block_m: int) -> int:
     """Rows of a topk_select program: TOPK_GROUP_VALUES scores per thread, at least TOPK_SELECT_WARPS
-    rows (half the rows a program at K=256, S=4096 made the selection 2.9x slower, H200 run 39)."""
+    rows."""
     return min(block_m, max(TOPK_SELECT_WARPS, group_rows(width, block_m, TOPK_SELECT_WARPS)))
 
 
