@@ -38,24 +38,29 @@ def bench(fn) -> float:
 KERNELS = ("topk_bracket", "topk_capture", "topk_select", "topk_threshold")
 
 
-def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], int]:
+def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], int, float]:
     """The median time of each kernel of a threshold call (the chunks of a kernel summed), each
     launch timed on its own after a whole call has filled the buffers, in the call's order (so
-    topk_threshold sees the tiles topk_select flagged); and the number of flagged tiles."""
+    topk_threshold sees the tiles topk_select flagged); the number of flagged tiles; and the
+    scores in each row's bracket that the first capture pass counted, on average over the rows."""
     buffers = thresholds.buffers(q.device)
     launches = thresholds.launches(q, k, *buffers)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     flagged = int(buffers[5].sum())
+    captured = float(buffers[4][0::2].float().mean())
     times = dict.fromkeys(KERNELS, 0.0)
     for kernel, grid, args, kwargs in launches:
         times[kernel.fn.__name__] += bench(lambda: kernel[grid](*args, **kwargs))  # noqa: B023 (called at once)
-    return times, flagged
+    return times, flagged, captured
 
 
-def parse_value(text: str) -> int | tuple[int, ...]:
-    """An integer, or a tuple of integers written with colons (TOPK_THRESHOLD_TILE=128:8:2)."""
-    return tuple(int(x) for x in text.split(":")) if ":" in text else int(text)
+def parse_value(text: str) -> int | float | tuple[int, ...]:
+    """An integer, a float (TOPK_MARGIN=4.5), or a tuple of integers written with colons
+    (TOPK_THRESHOLD_TILE=128:8:2)."""
+    if ":" in text:
+        return tuple(int(x) for x in text.split(":"))
+    return float(text) if "." in text else int(text)
 
 
 def parse_config(text: str) -> KernelConfig:
@@ -81,8 +86,8 @@ def main() -> int:
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; a trailing t: with TMA")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
-                   help="a top-k constant of attngen.kernels.forward and the values to sweep: integers, or tuples "
-                        "with colons (repeatable)")
+                   help="a top-k constant of attngen.kernels.forward and the values to sweep: integers, floats, "
+                        "or tuples with colons (repeatable)")
     args = p.parse_args()
     sweeps = []
     for text in args.set:
@@ -93,8 +98,8 @@ def main() -> int:
     q, k, v, shape, scale, env = random_inputs(args.shape, 4321)
     print(env)
     print("| k | settings | config | capture | threshold ms | " + " | ".join(f"{name} ms" for name in KERNELS)
-          + " | flagged tiles | attention ms | total ms | rel. error |")
-    print("|---|---|---|---|---|" + "---|" * len(KERNELS) + "---|---|---|---|")
+          + " | flagged tiles | captured a row | attention ms | total ms | rel. error |")
+    print("|---|---|---|---|---|" + "---|" * len(KERNELS) + "---|---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
         ref = attngen.reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], topk=topk)
         for values in itertools.product(*(vals for _, vals in sweeps)):
@@ -117,12 +122,12 @@ def main() -> int:
                     t_thr = bench(lambda: thresholds.run(q, k))
                     t_att = bench(lambda: kernel[grid](*a, **kw))
                     t_all = bench(run)
-                    parts, flagged = launch_times(thresholds, q, k)
+                    parts, flagged, captured = launch_times(thresholds, q, k)
                     cells = " | ".join(f"{parts[name]:.3f}" for name in KERNELS)
                     print(f"| {topk} | {settings} | {text} | {cap} | {t_thr:.3f} | {cells} | {flagged} | "
-                          f"{t_att:.3f} | {t_all:.3f} | {error:.1e} |", flush=True)
+                          f"{captured:.0f} | {t_att:.3f} | {t_all:.3f} | {error:.1e} |", flush=True)
                 except Exception as e:  # out of resources and the like
-                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | {' | ' * len(KERNELS)} | | | "
+                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | {' | ' * len(KERNELS)} | | | | "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
     return 0
 

@@ -82,6 +82,34 @@ def test_thresholds_are_exact_on_integer_scores(topk, mask, path):
     assert torch.equal((scores >= thr) & visible, (scores >= kth) & visible)
 
 
+def test_selection_holds_as_little_of_a_row_as_it_needs():
+    """topk_select searches the first quarter, half or three quarters of a capture area where its
+    rows fit there (_select_fitted): query blocks that see 80, 192, 320 and 400 keys, captured whole
+    in areas of 512, reach all four widths, and every threshold must keep exactly the scores >= the
+    row's topk-th."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-8, 9, (1, 1, 64, 16), generator=g).float().to(DEVICE)
+    k = torch.randint(-8, 9, (1, 1, 400, 16), generator=g).float().to(DEVICE)
+    layout = torch.zeros(1, 1, 4, 25, dtype=torch.bool)
+    for block, seen in enumerate((5, 12, 20, 25)):  # key blocks of 16
+        layout[..., block, :seen] = True
+    mask = attngen.block_sparse(layout.to(DEVICE), block_size=(16, 16))
+    shape = check_qkv(q, k, k, kernel=True)
+    config = KernelConfig(16, 16, 4, 1)
+    bound, structure = forward.blocks(q, mask, shape, config)
+    thresholds = forward.Thresholds(q, k, bound, structure, shape, 1.0, 40, config)
+    assert thresholds.cap_w == 512 and thresholds.group == 2
+    buffers = thresholds.buffers(q.device)
+    for kernel, grid, args, kwargs in thresholds.launches(q, k, *buffers):
+        kernel[grid](*args, **kwargs)
+    assert buffers[4][0::2].tolist() == [n for n in (80, 192, 320, 400) for _ in range(16)]  # captured
+    assert int(buffers[5].sum()) == 0  # no retries: topk_select set every threshold
+    visible = layout.repeat_interleave(16, 2).repeat_interleave(16, 3)[0, 0].to(DEVICE)
+    scores = (q @ k.transpose(-1, -2)).view(64, 400).masked_fill(~visible, float("-inf"))
+    kth = scores.topk(40, dim=-1).values[:, -1:]
+    assert torch.equal((scores >= buffers[0].view(64, 1)) & visible, (scores >= kth) & visible)
+
+
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_thresholds_at_tiles_of_their_own(mask, path, monkeypatch):
     """Threshold kernels at other tiles than the attention kernel's (threshold_config: on Hopper;
@@ -101,18 +129,23 @@ def test_thresholds_at_tiles_of_their_own(mask, path, monkeypatch):
 
 
 @pytest.mark.parametrize("margin", [5.5, 0.0], ids=["margin", "no margin"])
-@pytest.mark.parametrize("topk,mask,integer", [(8, None, False), (20, "causal", False), (150, None, True)],
+@pytest.mark.parametrize("topk,mask,integer,block_n", [(8, None, False, 16), (20, "causal", False, 16),
+                                                       (150, None, True, 64)],
                          ids=["k8", "k20 causal", "k150 ties"])
-def test_bracket_from_the_sample_candidates(topk, mask, integer, margin, monkeypatch):
-    """A sample of 8 key blocks of 16 (7 sampled over 25 blocks): a column samples more scores than
-    the 3 it keeps, so the bracket's ends come from bounds of the sampled counts; at K=150 the hi
-    end is finite. Without a margin, rows miss and retry."""
-    monkeypatch.setattr(forward, "TOPK_SAMPLE", 128)
+def test_bracket_from_the_sample_candidates(topk, mask, integer, block_n, margin, monkeypatch):
+    """A sample of 8 key blocks (7 sampled over 25 blocks): a column samples more scores than the 3
+    it keeps, so the bracket's ends come from bounds of the sampled counts; at K=150 (blocks of 64
+    keys, enough candidates for its lo end) the hi end is finite. Without a margin, rows miss and
+    retry."""
+    monkeypatch.setattr(forward, "TOPK_SAMPLE", 8 * block_n)
     monkeypatch.setattr(forward, "TOPK_MARGIN", margin)
-    q, k, v = rand_qkv(1, 2, 1, 64, 400, 16, torch.float32)
+    assert forward.topk_widths(topk, 25 * block_n, block_n)[0] == 8 * block_n
+    if topk == 150:
+        assert forward._bracket_ranks(topk, 25 * block_n, block_n, 8 * block_n)[2] >= 1  # a finite hi end
+    q, k, v = rand_qkv(1, 2, 1, 64, 25 * block_n, 16, torch.float32)
     if integer:  # scores of small integers: many ties
         q, k = q.round(), k.round()
-    check(q, k, v, mask, topk, KernelConfig(16, 16, 4, 1))
+    check(q, k, v, mask, topk, KernelConfig(16, block_n, 4, 1))
 
 
 def test_topk_after_score_modifiers_and_a_block_layout(path):
@@ -221,9 +254,9 @@ def test_capture_setup_and_chunks():
     assert forward.chunk_tiles(16384, 300, 396) == 300 and forward.chunk_tiles(10, 0, 3) == 1
 
 
-def test_a_sample_that_expects_too_few_is_doubled(path, monkeypatch):
-    """K=8 over 800 keys: a sample of 32 scores expects 0.3 of the 8 largest; doubled twice, 128
-    expect 1.3 (and are an eighth of the row)."""
+def test_a_short_sample_is_doubled_to_an_eighth_of_the_row(path, monkeypatch):
+    """K=8 over 800 keys: a sample of 32 scores (expecting 0.3 of the 8 largest) is doubled twice,
+    to 128, an eighth of the row (expecting 1.3)."""
     if path == "whole":
         pytest.skip("the sample covers every row whole on this path")
     assert forward.topk_widths(8, 800, 16)[0] == 128
@@ -232,22 +265,25 @@ def test_a_sample_that_expects_too_few_is_doubled(path, monkeypatch):
 
 
 _HELPERS = forward.module_for(None)  # the rendered template's selection helpers, called from a test kernel
-_load_group, _count_group, _extremes, _search_start, _refine = (
-    _HELPERS._load_group, _HELPERS._count_group, _HELPERS._extremes, _HELPERS._search_start, _HELPERS._refine)
+_load_part, _count_group, _extremes, _search_start, _refine = (
+    _HELPERS._load_part, _HELPERS._count_group, _HELPERS._extremes, _HELPERS._search_start, _HELPERS._refine)
 
 
 @triton.jit
-def _selection_probe(VALS, N, T, R, OUT, W: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr):
-    """Per row of VALS (GROUP rows of W, the first N[row] written): the count of values >= T[row],
+def _selection_probe(VALS, N, T, R, OUT, W: tl.constexpr, WIDTH: tl.constexpr, EXTRA: tl.constexpr,
+                     GROUP: tl.constexpr, GRID: tl.constexpr):
+    """Per row of VALS (GROUP rows of W, the first N[row] written), held as the selection holds
+    them (its first WIDTH places, and EXTRA more as a second part): the count of values >= T[row],
     then the bracket (lo, hi, c_lo, c_hi) after one counting round for rank R[row]."""
     rows = tl.arange(0, GROUP)
     n = tl.load(N + rows)
     r = tl.load(R + rows)
-    vals = _load_group(VALS, W, 0, n, GROUP)
-    tl.store(OUT + rows, _count_group(vals, tl.load(T + rows)).to(tl.float32))
-    bottom, top_up = _extremes(vals)
+    a = _load_part(VALS, W, 0, n, GROUP, 0, WIDTH)
+    b = None if EXTRA == 0 else _load_part(VALS, W, 0, n, GROUP, WIDTH, EXTRA)
+    tl.store(OUT + rows, _count_group(a, b, tl.load(T + rows)).to(tl.float32))
+    bottom, top_up = _extremes(a, b, tl.full([GROUP], -3.4028234663852886e38, dtype=tl.float32))
     lo, hi, c_lo, c_hi, valid = _search_start(bottom, top_up, n, r)
-    lo, hi, c_lo, c_hi = _refine(vals, r, lo, hi, c_lo, c_hi, GRID)
+    lo, hi, c_lo, c_hi = _refine(a, b, r, lo, hi, c_lo, c_hi, GRID)
     tl.store(OUT + GROUP + rows, lo)
     tl.store(OUT + 2 * GROUP + rows, hi)
     tl.store(OUT + 3 * GROUP + rows, c_lo.to(tl.float32))
@@ -255,14 +291,16 @@ def _selection_probe(VALS, N, T, R, OUT, W: tl.constexpr, GROUP: tl.constexpr, G
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a helper test: the interpreter runs it on any machine")
-@pytest.mark.parametrize("width", [256, 1024])
-def test_selection_counts_are_the_compares(width):
+@pytest.mark.parametrize("stride,width,extra", [(256, 256, 0), (1024, 1024, 0), (1024, 512, 256), (512, 64, 0)])
+def test_selection_counts_are_the_compares(stride, width, extra):
     # the selection counts values below a point by the sign of their difference (and two points a
-    # sum): they must equal the float compares, at signed zeros, ties, extremes and -inf padding too
+    # sum), over a row held whole, in part, or in two parts (_select_fitted): the counts must equal
+    # the float compares, at signed zeros, ties, extremes and -inf padding too
     group, grid = 4, 6
-    g = torch.Generator().manual_seed(width)
+    g = torch.Generator().manual_seed(stride + width)
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.4028234663852886e38, -3.4028234663852886e38, 1e-45, -1e-45])
-    vals = torch.full((group, width), float("-inf"))
+    vals = torch.full((group, stride), float("-inf"))
+    width += extra  # the places held
     n = torch.tensor([width, width - 3, width // 2, 5], dtype=torch.int32)
     for row in range(group):
         x = torch.randint(-3, 4, (int(n[row]),), generator=g).float()  # many ties
@@ -274,7 +312,8 @@ def test_selection_counts_are_the_compares(width):
     thresholds = torch.tensor([0.0, -0.0, 1.0, 2.5])
     ranks = torch.tensor([1, int(n[1]) // 3, int(n[2]), 3], dtype=torch.int32)
     out = torch.full((5 * group,), float("nan"))
-    _selection_probe[(1,)](vals, n, thresholds, ranks, out, W=width, GROUP=group, GRID=grid)
+    _selection_probe[(1,)](vals, n, thresholds, ranks, out, W=stride, WIDTH=width - extra, EXTRA=extra, GROUP=group,
+                           GRID=grid)
     counts, lo, hi, c_lo, c_hi = out.view(5, group)
     for row in range(group):
         written = vals[row, : int(n[row])]
@@ -285,16 +324,21 @@ def test_selection_counts_are_the_compares(width):
 
 def test_capture_width_covers_the_bracket():
     # a row whose blocks all fit in the sample is captured whole
-    assert forward.topk_widths(64, 300, 16) == (512, 512)
-    assert forward.topk_widths(8, 100, 32) == (512, 128)
+    assert forward.topk_widths(64, 300, 16) == (forward.TOPK_SAMPLE, 512)
+    assert forward.topk_widths(8, 100, 32) == (forward.TOPK_SAMPLE, 128)
     for topk, kv_len in [(1, 4096), (64, 4096), (256, 4096), (64, 16384), (256, 16384), (1024, 16384)]:
         sample, cap = forward.topk_widths(topk, kv_len, 64)
-        assert sample >= 512 and cap & (cap - 1) == 0 and sample & (sample - 1) == 0
-        # the sample expects a few of the topk largest, unless it is an eighth of the row already
-        assert topk * sample >= forward.TOPK_SAMPLE_EXPECT * kv_len or 8 * sample >= kv_len
-        assert sample == 512 or topk * sample < 2 * forward.TOPK_SAMPLE_EXPECT * kv_len  # and no larger
+        assert cap & (cap - 1) == 0 and sample & (sample - 1) == 0
+        f, rank_lo, _ = forward._bracket_ranks(topk, kv_len, 64, sample)
+        assert rank_lo <= forward.TOPK_CANDIDATES * 3 * 64  # lo's rank within the sample's candidates
+        # at least TOPK_SAMPLE and an eighth of the row, unless lo's rank needs a smaller sample
+        doubled = forward._bracket_ranks(topk, kv_len, 64, 2 * sample)
+        halved = doubled is not None and doubled[1] > forward.TOPK_CANDIDATES * 3 * 64
+        assert halved or (sample >= forward.TOPK_SAMPLE and sample >= kv_len / 8)
+        assert sample == forward.TOPK_SAMPLE or sample / 2 < kv_len / 8  # and no larger
         assert cap >= 2 * topk  # the bracket's far end is well past the topk-th score
-    assert forward.topk_widths(64, 16384, 64)[0] == 1024
+    assert forward.topk_widths(64, 4096, 64)[0] == 1024 and forward.topk_widths(64, 16384, 64)[0] == 2048
+    assert forward.topk_widths(1024, 4096, 64)[0] == 256  # 1024 or 512: lo's rank past the candidates
 
 
 def test_threshold_tiles(monkeypatch):

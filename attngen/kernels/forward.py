@@ -78,25 +78,42 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not interpreter_on() else "ieee"
 
 
-# Top-k thresholds (the top-k kernels of the template): each row samples about TOPK_SAMPLE of its
-# scores, and the bracket it then captures keeps TOPK_MARGIN standard deviations of the sampled
-# count from the expected rank at either end, so that a row misses its bracket about once in 25
-# million (normal tails beyond 5.5 sigma): a miss costs its query tile more passes, which hold up
+# Top-k thresholds (the top-k kernels of the template): each row samples some of its scores
+# (TOPK_SAMPLE below), and the bracket it then captures keeps TOPK_MARGIN standard deviations of the
+# sampled count from the expected rank at either end, so that a row misses its bracket about once in
+# 25 million (normal tails beyond 5.5 sigma): a miss costs its query tile more passes, which hold up
 # the whole call (one missed row in 262,144 at margin 4 added 2.6 ms to a 11 ms call, H200
 # 2026-11-30), and a call at B=4 H=16 S=16384 has a million rows. The capture area is sized by the
-# same margin. The sample is every stride-th key block, not a random one: keys whose scores
-# depend on their position (local attention) make the estimate worse and the retries more common.
-TOPK_SAMPLE = 512
+# same margin. The sample is every stride-th key block, not a random one: keys whose scores depend
+# on their position (local attention) make the estimate worse and the retries more common.
 TOPK_MARGIN = 5.5
-# A sample that expects fewer of the row's topk largest scores than this is doubled (up to an
-# eighth of the row): with few expected, the bracket's lo end is a low order statistic of the
-# sample, and the count above it has a long tail that the capture area's normal margin misses (at
-# S=16384 and K=64, 512 sampled scores expect 2, and 45 tiles in 16,384 overflowed their 1024-wide
-# areas and were redone, 4.6 ms of a 49 ms call, H200 2026-11-30, run 40 in benchmarks/RESULTS.md).
-TOPK_SAMPLE_EXPECT = 4
+# The sample's size: a larger one costs the bracket kernel more and leaves a narrower bracket, so
+# fewer scores for the capture to store and the selection to search. TOPK_SAMPLE scores at least,
+# doubled up to TOPK_SAMPLE_SHARE of the row. H200 run 57 in benchmarks/RESULTS.md (B=4 H=16
+# D=128, whole call in ms, samples of 512 / 1024 / 2048): S=4096, K=64: 2.763 / 2.674 /
+# 2.900; K=256: 3.676 / 3.553 / 391 (see TOPK_CANDIDATES); S=16384, K=64: 35.9 / 35.9 / 35.3;
+# K=256: 39.5 / 38.0 / 37.0. A sample that expects few of the topk largest also leaves a count
+# above the bracket's lo end with a long tail that the capture area misses (at S=16384 and K=64,
+# 512 sampled scores expect 2, and 45 tiles in 16,384 overflowed, run 40); an eighth of the row
+# expects topk / 8.
+TOPK_SAMPLE = 1024
+TOPK_SAMPLE_SHARE = 1 / 8
+# The bracket's lo end is counted on the sample's candidates (the 3 largest sampled scores of each
+# column of a key block): a sample is halved while lo's rank would be more than this share of them.
+# Beyond them, lo is -FLT_MAX and the capture takes the whole row (S=4096, K=256, a sample of 2048:
+# rank 193 of 192 candidates, every tile redone, 391 ms a call, run 57; K=1024, run 58: 6.8 ms
+# with this rule, a sample of 256, against 414.7 without it).
+TOPK_CANDIDATES = 0.75
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
-TOPK_GRID = 6  # points per counting round of a selection: two rounds narrow a bracket 49 times
-TOPK_ROUNDS = 2  # counting rounds of a selection over the captured scores before its exact search
+# Points per counting round of a search (the bracket's two rounds over its sample's candidates, and
+# a selection's rounds over the captured scores), and a selection's rounds before its exact search.
+# H200 run 58, S=4096 (whole call in ms, K=64 / 256): 4 points and 1 round 2.605 / 3.403; 4 and
+# 2: 2.623 / 3.439; 6 and 1: 2.652 / 3.490; 6 and 2: 2.675 / 3.551; 8 and 1: 2.696 / 3.667; run
+# 59: 3 points, or no round, within 2% of 4 and 1 either way. Fewer points leave the bracket wider (183
+# scores captured a row against 172 at 6 points, K=64), but every count costs a selection about
+# as much as the exact search's steps do.
+TOPK_GRID = 4
+TOPK_ROUNDS = 1
 # Warps of a topk_select program, and the fewest rows it takes. One warp a program: a row's counts
 # need no shared memory or barrier, and the row's search is not done over again by every warp (H200
 # run 52, B=4 H=16 S=4096: selection 0.596 / 0.985 ms at K=64 / 256 against 0.658 / 1.191 at 4 warps).
@@ -137,21 +154,31 @@ REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper 
 TOPK_THRESHOLD_TILE = (64, 4, 3)
 
 
-def _sampled(topk: int, kv_len: int, block_n: int) -> tuple[int, float, int]:
-    """(SAMPLE_W, expected captures a row, CAP_W) of rows of kv_len keys (see topk_widths)."""
-    sample_w = max(TOPK_SAMPLE, block_n)
-    while topk * sample_w < TOPK_SAMPLE_EXPECT * kv_len and 8 * sample_w < kv_len:
-        sample_w *= 2
+def _bracket_ranks(topk: int, kv_len: int, block_n: int, sample_w: int) -> tuple[float, int, int] | None:
+    """(f, rank_lo, rank_hi) of a sample of sample_w scores (as topk_bracket computes them; f: the
+    sampled share of the key blocks), or None where the sample covers the row whole."""
     n_blocks = math.ceil(kv_len / block_n)
-    per = sample_w // block_n
-    stride = max(math.ceil(n_blocks / per), 1)
+    stride = max(math.ceil(n_blocks / (sample_w // block_n)), 1)
     if stride == 1:
-        return sample_w, kv_len, _pow2(min(sample_w, n_blocks * block_n))
+        return None
     f = math.ceil(n_blocks / stride) / n_blocks
     expect = topk * f
     spread = TOPK_MARGIN * math.sqrt(expect)
-    rank_lo = math.ceil(expect + spread + 2)
-    rank_hi = max(0, math.floor(expect - spread - 1))
+    return f, math.ceil(expect + spread + 2), max(0, math.floor(expect - spread - 1))
+
+
+def _sampled(topk: int, kv_len: int, block_n: int) -> tuple[int, float, int]:
+    """(SAMPLE_W, expected captures a row, CAP_W) of rows of kv_len keys (see topk_widths)."""
+    sample_w = max(TOPK_SAMPLE, block_n)
+    while sample_w < TOPK_SAMPLE_SHARE * kv_len:
+        sample_w *= 2
+    ranks = _bracket_ranks(topk, kv_len, block_n, sample_w)
+    while sample_w > block_n and ranks is not None and ranks[1] > TOPK_CANDIDATES * 3 * block_n:
+        sample_w //= 2
+        ranks = _bracket_ranks(topk, kv_len, block_n, sample_w)
+    if ranks is None:
+        return sample_w, kv_len, _pow2(min(sample_w, math.ceil(kv_len / block_n) * block_n))
+    f, rank_lo, rank_hi = ranks
     inside = (rank_lo - rank_hi) / f
     return sample_w, inside, _pow2(inside + TOPK_MARGIN * math.sqrt(rank_lo - rank_hi) / f)
 
@@ -159,8 +186,9 @@ def _sampled(topk: int, kv_len: int, block_n: int) -> tuple[int, float, int]:
 def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     """(SAMPLE_W, CAP_W): scores per row in the sample and in the capture area.
 
-    The sample is TOPK_SAMPLE scores, doubled while it expects fewer than TOPK_SAMPLE_EXPECT of
-    the topk largest and is under an eighth of the row (powers of two: few compiled variants).
+    The sample is TOPK_SAMPLE scores, doubled while under TOPK_SAMPLE_SHARE of the row, then halved
+    while the bracket's lo end would rank beyond TOPK_CANDIDATES of the sample's candidates (powers
+    of two: few compiled variants).
 
     A row whose key blocks all fit in the sample is captured whole. Otherwise the capture area
     holds the scores in the bracket: about (rank_lo - rank_hi) / f of them, where f is the sampled
