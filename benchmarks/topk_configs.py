@@ -1,6 +1,6 @@
 """Top-k attention under chosen kernel configs and threshold-kernel settings: where the time goes.
 
-    python benchmarks/topk_configs.py [--shape 4,16,4096,128] [--topk 64,256]
+    python benchmarks/topk_configs.py [--shape 4,16,4096,128] [--topk 64,256] [--mask causal]
                                       [--configs BMxBNxWxS,...] [--set TOPK_SAMPLE=512,1024 ...]
 
 `--set NAME=V1,V2` (repeatable) sweeps a top-k constant of attngen.kernels.forward (TOPK_SAMPLE,
@@ -9,7 +9,8 @@ TOPK_THRESHOLD_TILE=128:8:2,64:4:3): every combination of the values is run. For
 (k, combination, config) the output is first checked against the float64 reference (batch 0,
 heads 0-1), then medians of triton.testing.do_bench: the threshold launches alone, each of their
 kernels alone (launch_times), the attention kernel alone (with those thresholds), and the whole
-call. The capture width follows from TOPK_SAMPLE (topk_widths). A config is the attention
+call. The capture's layout follows from TOPK_SAMPLE and TOPK_SLOTS (capture_layout): "512
+dense + 256" is 512 dense places a row and an area of 256 for the overflows. A config is the attention
 kernel's: the threshold kernels run at threshold_config(config) (on Hopper, their own tiles). A
 config that fails to compile or run says why.
 """
@@ -38,21 +39,23 @@ def bench(fn) -> float:
 KERNELS = ("topk_bracket", "topk_capture", "topk_select", "topk_threshold")
 
 
-def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], int, float]:
+def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], int, float, float]:
     """The median time of each kernel of a threshold call (the chunks of a kernel summed), each
     launch timed on its own after a whole call has filled the buffers, in the call's order (so
-    topk_threshold sees the tiles topk_select flagged); the number of flagged tiles; and the
-    scores in each row's bracket that the first capture pass counted, on average over the rows."""
+    topk_threshold sees the tiles topk_select flagged); the number of flagged tiles; the scores
+    in each row's bracket that the first capture pass counted, and of them those it stored to the
+    row's capture area (all, or a dense capture's overflows), on average over the rows."""
     buffers = thresholds.buffers(q.device)
     launches = thresholds.launches(q, k, *buffers)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     flagged = int(buffers[5].sum())
-    captured = float(buffers[4][0::2].float().mean())
+    captured = float(buffers[4][0::3].float().mean())
+    stored = float(buffers[4][2::3].float().mean())
     times = dict.fromkeys(KERNELS, 0.0)
     for kernel, grid, args, kwargs in launches:
         times[kernel.fn.__name__] += bench(lambda: kernel[grid](*args, **kwargs))  # noqa: B023 (called at once)
-    return times, flagged, captured
+    return times, flagged, captured, stored
 
 
 def parse_value(text: str) -> int | float | tuple[int, ...]:
@@ -83,6 +86,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4,16,4096,128", help="B,H,S,D")
     p.add_argument("--topk", default="64,256")
+    p.add_argument("--mask", default=None, help="a built-in mask name (causal, ...); none by default")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; a trailing t: with TMA")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
@@ -96,24 +100,25 @@ def main() -> int:
             p.error(f"--set {text!r}: expected TOPK_NAME=V1,V2 with a TOPK_ constant of attngen.kernels.forward")
         sweeps.append((name, [parse_value(x) for x in values.split(",")]))
     q, k, v, shape, scale, env = random_inputs(args.shape, 4321)
-    print(env)
+    print(env + (f", mask {args.mask}" if args.mask else ", no mask"))
     print("| k | settings | config | capture | threshold ms | " + " | ".join(f"{name} ms" for name in KERNELS)
-          + " | flagged tiles | captured a row | attention ms | total ms | rel. error |")
-    print("|---|---|---|---|---|" + "---|" * len(KERNELS) + "---|---|---|---|---|")
+          + " | flagged tiles | captured a row | to the area | attention ms | total ms | rel. error |")
+    print("|---|---|---|---|---|" + "---|" * len(KERNELS) + "---|---|---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
-        ref = attngen.reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], topk=topk)
+        ref = attngen.reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], mask=args.mask, topk=topk)
         for values in itertools.product(*(vals for _, vals in sweeps)):
             settings = " ".join(f"{name}={value}" for (name, _), value in zip(sweeps, values)) or "as shipped"
             for (name, _), value in zip(sweeps, values):
                 setattr(fwd, name, value)
             for text in args.configs.split(","):
                 config = parse_config(text)
-                cap = fwd.topk_widths(topk, shape.kv_len, config.block_n)[1]
+                slots, dense_w, area_w = fwd.capture_layout(topk, shape.kv_len, config.block_n)
+                cap = f"{dense_w} dense + {area_w}" if slots else str(area_w)
                 try:
-                    run = lambda: fwd.attention_forward(q, k, v, topk=topk, config=config)[0]  # noqa: E731
+                    run = lambda: fwd.attention_forward(q, k, v, args.mask, topk=topk, config=config)[0]  # noqa: E731
                     out = run()
                     error = float((out[:1, :2].double() - ref).norm() / ref.norm())
-                    bound, structure = fwd.blocks(q, None, shape, config)
+                    bound, structure = fwd.blocks(q, attngen.masks.as_mask(args.mask), shape, config)
                     thresholds = fwd.Thresholds(q, k, bound, structure, shape, scale, topk, config)
                     thr = thresholds.run(q, k)
                     out = torch.empty_like(q)
@@ -122,12 +127,12 @@ def main() -> int:
                     t_thr = bench(lambda: thresholds.run(q, k))
                     t_att = bench(lambda: kernel[grid](*a, **kw))
                     t_all = bench(run)
-                    parts, flagged, captured = launch_times(thresholds, q, k)
+                    parts, flagged, captured, stored = launch_times(thresholds, q, k)
                     cells = " | ".join(f"{parts[name]:.3f}" for name in KERNELS)
                     print(f"| {topk} | {settings} | {text} | {cap} | {t_thr:.3f} | {cells} | {flagged} | "
-                          f"{captured:.0f} | {t_att:.3f} | {t_all:.3f} | {error:.1e} |", flush=True)
+                          f"{captured:.0f} | {stored:.0f} | {t_att:.3f} | {t_all:.3f} | {error:.1e} |", flush=True)
                 except Exception as e:  # out of resources and the like
-                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | {' | ' * len(KERNELS)} | | | | "
+                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | {' | ' * len(KERNELS)} | | | | | "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
     return 0
 
