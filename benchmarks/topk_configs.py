@@ -9,8 +9,7 @@ TOPK_THRESHOLD_TILE=128:8:2,64:4:3): every combination of the values is run. For
 (k, combination, config) the output is first checked against the float64 reference (batch 0,
 heads 0-1), then medians of triton.testing.do_bench: the threshold launches alone, each of their
 kernels alone (launch_times), the attention kernel alone (with those thresholds), and the whole
-call. The capture's layout follows from TOPK_SAMPLE and TOPK_SLOTS (capture_layout): "512
-dense + 256" is 512 dense places a row and an area of 256 for the overflows. A config is the attention
+call. The capture width follows from TOPK_SAMPLE (topk_widths). A config is the attention
 kernel's: the threshold kernels run at threshold_config(config) (on Hopper, their own tiles). A
 config that fails to compile or run says why.
 """
@@ -39,23 +38,21 @@ def bench(fn) -> float:
 KERNELS = ("topk_bracket", "topk_capture", "topk_select", "topk_threshold")
 
 
-def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], int, float, float]:
+def launch_times(thresholds: fwd.Thresholds, q, k) -> tuple[dict[str, float], int, float]:
     """The median time of each kernel of a threshold call (the chunks of a kernel summed), each
     launch timed on its own after a whole call has filled the buffers, in the call's order (so
-    topk_threshold sees the tiles topk_select flagged); the number of flagged tiles; the scores
-    in each row's bracket that the first capture pass counted, and of them those it stored to the
-    row's capture area (all, or a dense capture's overflows), on average over the rows."""
+    topk_threshold sees the tiles topk_select flagged); the number of flagged tiles; and the
+    scores in each row's bracket that the first capture pass counted, on average over the rows."""
     buffers = thresholds.buffers(q.device)
     launches = thresholds.launches(q, k, *buffers)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     flagged = int(buffers[5].sum())
-    captured = float(buffers[4][0::3].float().mean())
-    stored = float(buffers[4][2::3].float().mean())
+    captured = float(buffers[4][0::2].float().mean())
     times = dict.fromkeys(KERNELS, 0.0)
     for kernel, grid, args, kwargs in launches:
         times[kernel.fn.__name__] += bench(lambda: kernel[grid](*args, **kwargs))  # noqa: B023 (called at once)
-    return times, flagged, captured, stored
+    return times, flagged, captured
 
 
 def parse_value(text: str) -> int | float | tuple[int, ...]:
@@ -67,9 +64,11 @@ def parse_value(text: str) -> int | float | tuple[int, ...]:
 
 
 def parse_config(text: str) -> KernelConfig:
-    """BLOCK_M x BLOCK_N x warps x stages, a trailing t: with TMA (e.g. 128x64x4x2t)."""
-    bm, bn, warps, stages = (int(x) for x in text.rstrip("t").split("x"))
-    return KernelConfig(bm, bn, warps, stages, use_tma=text.endswith("t"))
+    """BLOCK_M x BLOCK_N x warps x stages, then t: with TMA, w: warp-specialized (e.g. 128x64x4x2t,
+    128x128x8x2tw)."""
+    flags = text[len(text.rstrip("tw")):]
+    bm, bn, warps, stages = (int(x) for x in text.rstrip("tw").split("x"))
+    return KernelConfig(bm, bn, warps, stages, use_tma="t" in flags, warp_specialize="w" in flags)
 
 
 def random_inputs(shape_text: str, seed: int):
@@ -88,7 +87,7 @@ def main() -> int:
     p.add_argument("--topk", default="64,256")
     p.add_argument("--mask", default=None, help="a built-in mask name (causal, ...); none by default")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; a trailing t: with TMA")
+                   help="BLOCK_M x BLOCK_N x warps x stages, comma-separated; then t: with TMA, w: warp-specialized")
     p.add_argument("--set", action="append", default=[], metavar="NAME=V1,V2",
                    help="a top-k constant of attngen.kernels.forward and the values to sweep: integers, floats, "
                         "or tuples with colons (repeatable)")
@@ -102,8 +101,8 @@ def main() -> int:
     q, k, v, shape, scale, env = random_inputs(args.shape, 4321)
     print(env + (f", mask {args.mask}" if args.mask else ", no mask"))
     print("| k | settings | config | capture | threshold ms | " + " | ".join(f"{name} ms" for name in KERNELS)
-          + " | flagged tiles | captured a row | to the area | attention ms | total ms | rel. error |")
-    print("|---|---|---|---|---|" + "---|" * len(KERNELS) + "---|---|---|---|---|---|")
+          + " | flagged tiles | captured a row | attention ms | total ms | rel. error |")
+    print("|---|---|---|---|---|" + "---|" * len(KERNELS) + "---|---|---|---|---|")
     for topk in (int(x) for x in args.topk.split(",")):
         ref = attngen.reference.attention(q[:1, :2], k[:1, :2], v[:1, :2], mask=args.mask, topk=topk)
         for values in itertools.product(*(vals for _, vals in sweeps)):
@@ -112,8 +111,7 @@ def main() -> int:
                 setattr(fwd, name, value)
             for text in args.configs.split(","):
                 config = parse_config(text)
-                slots, dense_w, area_w = fwd.capture_layout(topk, shape.kv_len, config.block_n)
-                cap = f"{dense_w} dense + {area_w}" if slots else str(area_w)
+                cap = fwd.topk_widths(topk, shape.kv_len, config.block_n)[1]
                 try:
                     run = lambda: fwd.attention_forward(q, k, v, args.mask, topk=topk, config=config)[0]  # noqa: E731
                     out = run()
@@ -127,12 +125,12 @@ def main() -> int:
                     t_thr = bench(lambda: thresholds.run(q, k))
                     t_att = bench(lambda: kernel[grid](*a, **kw))
                     t_all = bench(run)
-                    parts, flagged, captured, stored = launch_times(thresholds, q, k)
+                    parts, flagged, captured = launch_times(thresholds, q, k)
                     cells = " | ".join(f"{parts[name]:.3f}" for name in KERNELS)
                     print(f"| {topk} | {settings} | {text} | {cap} | {t_thr:.3f} | {cells} | {flagged} | "
-                          f"{captured:.0f} | {stored:.0f} | {t_att:.3f} | {t_all:.3f} | {error:.1e} |", flush=True)
+                          f"{captured:.0f} | {t_att:.3f} | {t_all:.3f} | {error:.1e} |", flush=True)
                 except Exception as e:  # out of resources and the like
-                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | {' | ' * len(KERNELS)} | | | | | "
+                    print(f"| {topk} | {settings} | {text} | {cap} | n/a | {' | ' * len(KERNELS)} | | | | "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:80]} |", flush=True)
     return 0
 

@@ -3,8 +3,8 @@
 
     python tests/compile_hopper.py BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
 
-Builds the launches the way Thresholds does for a CUDA tensor (their kwargs, the asm stores and
-dense slots, the register cap) and compiles every launch with Triton's bundled ptxas; prints `ok`, the kernel's name and
+Builds the launches the way Thresholds does for a CUDA tensor (their kwargs, the asm stores, the
+register cap) and compiles every launch with Triton's bundled ptxas; prints `ok`, the kernel's name and
 its shared memory in bytes for each.
 """
 
@@ -37,8 +37,6 @@ def main() -> int:
     buffers = thresholds.buffers(q.device)
     for kernel, _, values, kwargs in thresholds.launches(q, k, *buffers):
         kwargs = dict(kwargs, **({"ASM_STORE": True} if "ASM_STORE" in kwargs else {}))
-        if kwargs.get("SLOTS") and "DENSE_ASM" in kwargs:  # a dense capture takes its slots in the registers where the tile is wgmma's
-            kwargs["DENSE_ASM"] = (bm, bn, warps) == (64, 64, 4)
         options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
         signature = {}
         for name, value in zip(kernel.arg_names, values):

@@ -5,7 +5,6 @@ import torch
 
 import attngen
 import attngen.kernels.forward as forward
-from attngen.checks import check_qkv
 from attngen.config import KernelConfig
 from attngen.kernels.forward import attention_forward
 from conftest import assert_close, poisoned_like, rand_qkv
@@ -90,37 +89,6 @@ def test_topk_thresholds_at_their_own_tiles(topk, config, mask, monkeypatch):
         shared, _ = attention_forward(q, k, v, mask, topk=topk, config=config)
     assert torch.equal(own, shared)
     assert_close(own, attngen.reference.attention(q, k, v, mask, topk=topk), torch.bfloat16)
-
-
-@pytest.mark.parametrize("mask", [None, "causal"])
-def test_dense_capture_in_registers_is_the_tl_one(mask):
-    """On Hopper, topk_capture takes a dense capture's slots in the registers (_dense_ptx, which
-    assumes wgmma's register layout); elsewhere from tl ops (_dense_code). Both must write the same
-    slots, overflows and counts bit for bit, and give the same thresholds."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the register path is for sm_90")
-    q, k, _ = rand_qkv(2, 4, 4, 4096, 4096, 128, torch.bfloat16, device="cuda")
-    config = KernelConfig(64, 64, 4, 3, use_tma=True)
-    shape = check_qkv(q, k, k, kernel=True)
-    bound, structure = forward.blocks(q, attngen.masks.as_mask(mask), shape, config)
-    thresholds = forward.Thresholds(q, k, bound, structure, shape, 128 ** -0.5, 256, config)
-    results = []
-    for asm in (True, False):
-        for kw in [kw for both in thresholds.kwargs.values() for kw in both if "DENSE_ASM" in kw]:
-            assert kw["SLOTS"] > 0 and (kw["DENSE_ASM"] or not asm)
-            kw["DENSE_ASM"] = asm
-        buffers = thresholds.buffers(q.device)
-        buffers[3].zero_()
-        buffers[7].zero_()  # a causal tile's slots past its key blocks stay unwritten
-        for kernel, grid, args, kwargs in thresholds.launches(q, k, *buffers):
-            kernel[grid](*args, **kwargs)
-        results.append(buffers)
-    ours, tl_ops = results
-    assert thresholds.chunk == thresholds.n_tiles  # one chunk: the areas hold every tile's captures
-    counts = ours[4].view(-1, 3)
-    assert (counts[:, 2] > 0).any() and (counts[:, 2] < counts[:, 0]).all()  # overflows, and slots
-    for name, index in (("thresholds", 0), ("areas", 3), ("counts", 4), ("dense slots", 7)):
-        assert torch.equal(ours[index], tl_ops[index]), name
 
 
 @pytest.mark.parametrize("density", [0.5, 0.1])

@@ -114,7 +114,6 @@ TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers 
 # as much as the exact search's steps do.
 TOPK_GRID = 4
 TOPK_ROUNDS = 1
-TOPK_BRACKET_ROUNDS = 2  # the bracket's counting rounds at each end, on the sample's candidates
 # Warps of a topk_select program, and the fewest rows it takes. One warp a program: a row's counts
 # need no shared memory or barrier, and the row's search is not done over again by every warp (H200
 # run 52, B=4 H=16 S=4096: selection 0.596 / 0.985 ms at K=64 / 256 against 0.658 / 1.191 at 4 warps).
@@ -143,12 +142,6 @@ TOPK_CAPTURE_PROGRAMS = 3
 TOPK_DENSE_CAPTURE_STAGES = 4
 TOPK_DENSE_CAPTURE_PROGRAMS = 2
 TOPK_DENSE_CAPTURE = 0.06
-# Where the bracket takes more than TOPK_DENSE_CAPTURE of a row, its captures are also stored
-# densely: each of the 4 threads that hold a row's scores of a key block in wgmma's layout keeps its
-# first TOPK_SLOTS captures in slots of its own, stored in whole lines, -inf where it has fewer,
-# and only the captures beyond them go to the row's capture area (a quarter of the width it would
-# take otherwise), one scattered store each.
-TOPK_SLOTS = 2
 REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper (sm_90) alike
 # The threshold kernels' tiles on Hopper (BLOCK_M, warps, stages), whatever the attention kernel's:
 # every score must come out of both bit for bit the same, and wgmma computes a score the same way
@@ -205,37 +198,6 @@ def topk_widths(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     """
     sample_w, _, cap_w = _sampled(topk, kv_len, block_n)
     return sample_w, cap_w
-
-
-def capture_layout(topk: int, kv_len: int, block_n: int) -> tuple[int, int, int]:
-    """(SLOTS, DENSE_W, AREA_W) of topk_capture: dense slots a thread and key block (0: none),
-    dense places a row (4 * SLOTS a key block, the blocks rounded up to a power of two), and the
-    width of a row's capture area. Dense where the bracket is expected to take more than
-    TOPK_DENSE_CAPTURE of a row's keys, the row is not captured whole, a row's dense places fill
-    at least one chunk of 128 of the selection, and a key block gives each thread at least
-    TOPK_SLOTS scores of a row (BLOCK_N / 4); its area holds the overflows, in a quarter of the
-    width the capture would take otherwise."""
-    sample_w, inside, cap_w = _sampled(topk, kv_len, block_n)
-    n_blocks = math.ceil(kv_len / block_n)
-    if (_bracket_ranks(topk, kv_len, block_n, sample_w) is None or inside <= TOPK_DENSE_CAPTURE * kv_len
-            or TOPK_SLOTS < 1 or 4 * TOPK_SLOTS * _pow2(n_blocks) < 128 or TOPK_SLOTS > block_n // 4):
-        return 0, 0, cap_w
-    spill = 4 * n_blocks * _overflow(block_n // 4, inside / kv_len, TOPK_SLOTS)
-    return TOPK_SLOTS, 4 * TOPK_SLOTS * _pow2(n_blocks), max(64, cap_w // 4, _pow2(2 * spill))
-
-
-def _overflow(m: int, p: float, slots: int) -> float:
-    """Expected captures beyond `slots` of a thread's m scores of a row, each captured with
-    probability p: E[max(X - slots, 0)] for X ~ Binomial(m, p)."""
-    return sum(math.comb(m, x) * p ** x * (1 - p) ** (m - x) * (x - slots) for x in range(slots + 1, m + 1))
-
-
-def dense_asm(q, config: KernelConfig) -> bool:
-    """Whether topk_capture takes its dense slots in the registers (_dense_ptx): on sm_90, for the
-    64x64 score tiles of 4 warps whose wgmma layout that PTX assumes (16-bit inputs: an fp32 dot
-    may run on other units, in other layouts)."""
-    return (q.device.type == "cuda" and not interpreter_on() and torch.cuda.get_device_capability(q.device)[0] == 9
-            and (config.block_m, config.block_n, config.num_warps) == (64, 64, 4) and q.element_size() == 2)
 
 
 def capture_setup(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
@@ -356,29 +318,26 @@ class Thresholds:
         self.kernels = (module.topk_bracket, module.topk_capture, module.topk_select, module.topk_threshold)
         bm, bn = structure.block_size
         sample_w, cap_w = topk_widths(topk, shape.kv_len, bn)
-        slots, dense_w, area_w = capture_layout(topk, shape.kv_len, bn)
         stages, programs = capture_setup(topk, shape.kv_len, bn)
-        self.bm, self.cap_w, self.area_w, self.dense_w = bm, cap_w, area_w, dense_w
+        self.bm, self.cap_w = bm, cap_w
         self.n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
         resident = _programs(self.n_tiles, q.device, programs)
-        self.chunk = chunk_tiles(self.n_tiles, TOPK_AREA_FLOATS // (bm * (area_w + dense_w)), resident)
-        self.group = select_rows(area_w + dense_w, bm)
+        self.chunk = chunk_tiles(self.n_tiles, TOPK_AREA_FLOATS // (bm * cap_w), resident)
+        self.group = select_rows(cap_w, bm)
         self.fallback_programs = _programs(self.n_tiles, q.device)
         self.rows = shape.batch * shape.heads * shape.q_len
         self.structure = structure_args(structure)
-        self.block_counts = (structure.full_num, structure.partial_num, *_strides3(structure.full_num))
         self.dims = (shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.group, scale)
         self.mask_args = bound.kernel_args if bound is not None else ()
         self.topk = topk
         cuda = q.device.type == "cuda"
         shared = shared_kwargs(q, shape, structure, config)
-        bracket = dict(shared, SAMPLE_W=sample_w, GRID=TOPK_GRID, ROUNDS=TOPK_BRACKET_ROUNDS)
-        capture = dict(shared, CAP_W=area_w, SLOTS=slots, DENSE_W=dense_w,
-                       DENSE_ASM=bool(slots) and dense_asm(q, config), ASM_STORE=cuda, num_stages=stages)
-        fallback = dict(shared, CAP_W=cap_w, AREA_W=area_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps),
-                        GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
-        select = dict(BLOCK_M=bm, CAP_W=area_w, SLOTS=slots, DENSE_W=dense_w, GROUP=self.group, GRID=TOPK_GRID,
-                      ROUNDS=TOPK_ROUNDS, num_warps=TOPK_SELECT_WARPS)
+        bracket = dict(shared, SAMPLE_W=sample_w, GRID=TOPK_GRID)
+        capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda, num_stages=stages)
+        fallback = dict(shared, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID,
+                        ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
+        select = dict(BLOCK_M=bm, CAP_W=cap_w, GROUP=self.group, GRID=TOPK_GRID, ROUNDS=TOPK_ROUNDS,
+                      num_warps=TOPK_SELECT_WARPS)
         for kw, sm_warps in ((bracket, TOPK_BRACKET_SM_WARPS), (capture, programs * config.num_warps),
                              (select, TOPK_SELECT_SM_WARPS), (fallback, TOPK_SM_WARPS)):
             cap = register_cap(kw["num_warps"], sm_warps)
@@ -388,7 +347,7 @@ class Thresholds:
         self.kwargs = {use: [dict(kw, USE_TMA=use) for kw in (bracket, capture, fallback)] for use in (False, True)}
         self.tma = config.use_tma and tma_eligible(q, k)
 
-    def launches(self, q, k, thr, lo, hi, area, counts, flags, work, dense):
+    def launches(self, q, k, thr, lo, hi, area, counts, flags, work):
         """(kernel, grid, args, kwargs) of every launch of one call, in order."""
         bracket, capture, select, fallback = self.kernels
         use_tma = self.tma and (q.data_ptr() | k.data_ptr()) % 16 == 0
@@ -400,26 +359,23 @@ class Thresholds:
         for tile0 in range(0, self.n_tiles, self.chunk):
             n = min(self.chunk, self.n_tiles - tile0)
             for has_hi in (False, True):  # the tiles whose hi is +inf in every row (the usual ones), the others
-                out.append((capture, (n,), (q, k, lo, hi, area, dense, counts, flags, *qk, *self.dims, tile0,
+                out.append((capture, (n,), (q, k, lo, hi, area, counts, flags, *qk, *self.dims, tile0,
                                             *self.mask_args), dict(kw_capture, HAS_HI=has_hi)))
             out.append((select, (n * self.bm // self.group,),
-                        (lo, area, dense, counts, thr, flags, *self.block_counts, self.dims[1], q_len, tile0,
-                         self.topk), self.select_kwargs))
+                        (lo, area, counts, thr, flags, q_len, tile0, self.topk), self.select_kwargs))
         out.append((fallback, (self.fallback_programs,),
                     (q, k, lo, hi, counts, thr, work, flags, *qk, *self.dims, self.topk, *self.mask_args), kw_fallback))
         return out
 
     def buffers(self, device):
-        """(thr, lo, hi, area, counts, flags, work, dense) of one call: thr is the result, B * H * Sq
-        floats; lo, hi and counts (3 a row: captures, count >= hi, stores to the area) are per row
-        too, area and dense per chunk of tiles."""
+        """(thr, lo, hi, area, counts, flags, work) of one call: thr is the result, B * H * Sq floats;
+        lo, hi and counts (2 a row) are per row too, area per chunk of tiles."""
         f32 = dict(dtype=torch.float32, device=device)
         return (torch.empty(self.rows, **f32), torch.empty(self.rows, **f32), torch.empty(self.rows, **f32),
-                torch.empty(self.chunk * self.bm * self.area_w, **f32),
-                torch.empty(self.rows * 3, dtype=torch.int32, device=device),
+                torch.empty(self.chunk * self.bm * self.cap_w, **f32),
+                torch.empty(self.rows * 2, dtype=torch.int32, device=device),
                 torch.empty(self.n_tiles, dtype=torch.int32, device=device),
-                torch.empty(self.fallback_programs * self.bm * (self.cap_w + 3), **f32),
-                torch.empty(max(1, self.chunk * self.bm * self.dense_w), **f32))
+                torch.empty(self.fallback_programs * self.bm * (self.cap_w + 3), **f32))
 
     def run(self, q, k):
         """Each query row's threshold: B * H * Sq floats."""
