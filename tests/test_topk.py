@@ -254,6 +254,43 @@ def test_capture_setup_and_chunks():
     assert forward.chunk_tiles(16384, 300, 396) == 300 and forward.chunk_tiles(10, 0, 3) == 1
 
 
+@pytest.mark.parametrize("topk,area", [(40, None), (4, 64)], ids=["lo's rank", "a narrow area"])
+def test_causal_tiles_sample_as_their_candidates_and_area_allow(topk, area, monkeypatch):
+    """Under a causal mask a query tile sees fewer key blocks than the longest rows, which the sample
+    is sized for (here 8 of 40 blocks of 16). K=40: tiles of 9, 11, 13 or 15 blocks, sampled every
+    second block, would rank lo past their 48 candidates (lo = -FLT_MAX: the whole row captured; at
+    B=4 H=16 S=4096 K=256 on an H200, 964 tiles overflowed and the call took 50.6 ms); they must
+    sample sparser. An area of 64 (narrower than the sample): tiles of 5 to 8 blocks, which the
+    sample would cover whole, must be sampled. The last row of every other tile must get a finite
+    lo, of a covered one -FLT_MAX, and every threshold must keep exactly the row's topk largest."""
+    monkeypatch.setattr(forward, "TOPK_SAMPLE", 32)
+    sample_w, cap_w = forward.topk_widths(topk, 640, 16)
+    if area is not None:
+        cap_w = area
+        monkeypatch.setattr(forward, "topk_widths", lambda topk, kv_len, block_n: (sample_w, area))
+    assert sample_w == 128
+    g = torch.Generator().manual_seed(topk)
+    q = torch.randint(-3, 4, (1, 1, 640, 16), generator=g).float().to(DEVICE)
+    k = torch.randint(-3, 4, (1, 1, 640, 16), generator=g).float().to(DEVICE)
+    shape = check_qkv(q, k, k, kernel=True)
+    config = KernelConfig(16, 16, 4, 1)
+    bound, structure = forward.blocks(q, attngen.masks.as_mask("causal"), shape, config)
+    thresholds = forward.Thresholds(q, k, bound, structure, shape, 1.0, topk, config)
+    buffers = thresholds.buffers(q.device)
+    for kernel, grid, args, kwargs in thresholds.launches(q, k, *buffers):
+        kernel[grid](*args, **kwargs)
+    lo = buffers[1][15::16]  # the last row of each query tile, which sees all of its key blocks
+    covered = [blocks <= sample_w // 16 and blocks * 16 <= cap_w for blocks in range(1, 41)]
+    assert [bool(x) for x in lo == -3.4028234663852886e38] == covered
+    scores = (q @ k.transpose(-1, -2)).view(640, 640).masked_fill(
+        ~torch.ones(640, 640, dtype=torch.bool, device=DEVICE).tril(), float("-inf"))
+    kth = scores.topk(topk, dim=-1).values[:, -1:]
+    visible = scores > float("-inf")
+    assert torch.equal((scores >= buffers[0].view(640, 1)) & visible, (scores >= kth) & visible)
+    if area is None:
+        assert int(buffers[5].sum()) == 0  # no tile needed retries (an area of 64 overflows on long rows)
+
+
 def test_a_short_sample_is_doubled_to_an_eighth_of_the_row(path, monkeypatch):
     """K=8 over 800 keys: a sample of 32 scores (expecting 0.3 of the 8 largest) is doubled twice,
     to 128, an eighth of the row (expecting 1.3)."""

@@ -102,7 +102,11 @@ TOPK_SAMPLE_SHARE = 1 / 8
 # column of a key block): a sample is halved while lo's rank would be more than this share of them.
 # Beyond them, lo is -FLT_MAX and the capture takes the whole row (S=4096, K=256, a sample of 2048:
 # rank 193 of 192 candidates, every tile redone, 391 ms a call, run 57; K=1024, run 58: 6.8 ms
-# with this rule, a sample of 256, against 414.7 without it).
+# with this rule, a sample of 256, against 414.7 without it). topk_bracket applies the same bound
+# per query tile: a tile that sees fewer key blocks than the row (a causal or block-sparse mask)
+# samples a larger share of them, and so samples every stride-th block for a larger stride where lo
+# would rank past the bound (causal, S=4096, K=256: 964 tiles of 4096 captured their rows whole,
+# overflowed and were redone, 50.6 ms a call, H200 run 61; 2.6 ms with the rule, run 62).
 TOPK_CANDIDATES = 0.75
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 # Points per counting round of a search (the bracket's two rounds over its sample's candidates, and
@@ -332,7 +336,7 @@ class Thresholds:
         self.topk = topk
         cuda = q.device.type == "cuda"
         shared = shared_kwargs(q, shape, structure, config)
-        bracket = dict(shared, SAMPLE_W=sample_w, GRID=TOPK_GRID)
+        bracket = dict(shared, SAMPLE_W=sample_w, CAP_W=cap_w, RANK_MAX=int(TOPK_CANDIDATES * 3 * bn), GRID=TOPK_GRID)
         capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda, num_stages=stages)
         fallback = dict(shared, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID,
                         ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
