@@ -158,6 +158,11 @@ REGISTERS_PER_SM = 65536  # 32-bit registers of an SM, Ampere (sm_80) to Hopper 
 TOPK_THRESHOLD_TILE = (64, 4, 3)
 
 
+def _rank_max(block_n: int) -> int:
+    """The deepest rank among a sample's candidates (3 a column of a key block) that lo may take."""
+    return int(TOPK_CANDIDATES * 3 * block_n)
+
+
 def _bracket_ranks(topk: int, kv_len: int, block_n: int, sample_w: int) -> tuple[float, int, int] | None:
     """(f, rank_lo, rank_hi) of a sample of sample_w scores (as topk_bracket computes them; f: the
     sampled share of the key blocks), or None where the sample covers the row whole."""
@@ -177,7 +182,7 @@ def _sampled(topk: int, kv_len: int, block_n: int) -> tuple[int, float, int]:
     while sample_w < TOPK_SAMPLE_SHARE * kv_len:
         sample_w *= 2
     ranks = _bracket_ranks(topk, kv_len, block_n, sample_w)
-    while sample_w > block_n and ranks is not None and ranks[1] > TOPK_CANDIDATES * 3 * block_n:
+    while sample_w > block_n and ranks is not None and ranks[1] > _rank_max(block_n):
         sample_w //= 2
         ranks = _bracket_ranks(topk, kv_len, block_n, sample_w)
     if ranks is None:
@@ -336,7 +341,7 @@ class Thresholds:
         self.topk = topk
         cuda = q.device.type == "cuda"
         shared = shared_kwargs(q, shape, structure, config)
-        bracket = dict(shared, SAMPLE_W=sample_w, CAP_W=cap_w, RANK_MAX=int(TOPK_CANDIDATES * 3 * bn), GRID=TOPK_GRID)
+        bracket = dict(shared, SAMPLE_W=sample_w, CAP_W=cap_w, RANK_MAX=_rank_max(bn), GRID=TOPK_GRID)
         capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda, num_stages=stages)
         fallback = dict(shared, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID,
                         ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
