@@ -72,7 +72,8 @@ def test_thresholds_are_exact_on_integer_scores(topk, mask, path):
     shape = check_qkv(q, k, k, kernel=True)
     config = KernelConfig(16, 16, 4, 1)
     bound, structure = forward.blocks(q, attngen.masks.as_mask(mask), shape, config)
-    thr = forward.Thresholds(q, k, bound, structure, shape, 1.0, topk, config).run(q, k).view(1, 2, 50, 1)
+    result = forward.Thresholds(q, k, bound, structure, shape, 1.0, topk, config).run(q, k)
+    thr, row_max = result[:100].view(1, 2, 50, 1), result[100:].view(1, 2, 50)
     scores = q @ k.transpose(-1, -2)  # the kernel compares unscaled scores when no modifier runs
     visible = torch.ones(50, 200, dtype=torch.bool, device=DEVICE)
     if mask == "causal":
@@ -80,6 +81,16 @@ def test_thresholds_are_exact_on_integer_scores(topk, mask, path):
     scores = scores.masked_fill(~visible, float("-inf"))
     kth = scores.topk(topk, dim=-1).values[..., -1:]
     assert torch.equal((scores >= thr) & visible, (scores >= kth) & visible)
+    assert torch.equal(row_max, scores.amax(-1))  # what the attention kernel's softmax subtracts
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_topk_softmax_of_large_scores(mask, path):
+    """Scores in the hundreds: the attention kernel's softmax subtracts each row's largest score,
+    which the capture recorded, so nothing overflows (exp2 of an unshifted score would) or
+    vanishes (a shift too far would leave the row's weights 0)."""
+    q, k, v = rand_qkv(1, 2, 1, 40, 130, 16, torch.float32)
+    check(q * 12, k * 12, v, mask, 6, KernelConfig(16, 16, 4, 1))
 
 
 def test_selection_holds_as_little_of_a_row_as_it_needs():
@@ -107,7 +118,7 @@ def test_selection_holds_as_little_of_a_row_as_it_needs():
     visible = layout.repeat_interleave(16, 2).repeat_interleave(16, 3)[0, 0].to(DEVICE)
     scores = (q @ k.transpose(-1, -2)).view(64, 400).masked_fill(~visible, float("-inf"))
     kth = scores.topk(40, dim=-1).values[:, -1:]
-    assert torch.equal((scores >= buffers[0].view(64, 1)) & visible, (scores >= kth) & visible)
+    assert torch.equal((scores >= buffers[0][:64].view(64, 1)) & visible, (scores >= kth) & visible)
 
 
 @pytest.mark.parametrize("mask", [None, "causal"])
@@ -286,7 +297,7 @@ def test_causal_tiles_sample_as_their_candidates_and_area_allow(topk, area, monk
         ~torch.ones(640, 640, dtype=torch.bool, device=DEVICE).tril(), float("-inf"))
     kth = scores.topk(topk, dim=-1).values[:, -1:]
     visible = scores > float("-inf")
-    assert torch.equal((scores >= buffers[0].view(640, 1)) & visible, (scores >= kth) & visible)
+    assert torch.equal((scores >= buffers[0][:640].view(640, 1)) & visible, (scores >= kth) & visible)
     if area is None:
         assert int(buffers[5].sum()) == 0  # no tile needed retries (an area of 64 overflows on long rows)
 

@@ -290,7 +290,7 @@ def launch_args(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure,
                 config: KernelConfig, use_tma: bool):
     """(kernel, grid, args, kwargs) of one attention launch on checked inputs and preallocated outputs.
 
-    `thr`: None, or top-k thresholds (B * H * Sq floats) from the threshold launch.
+    `thr`: None, or top-k thresholds and row maxima (2 * B * H * Sq floats) from Thresholds.run.
     """
     kernel = kernel_for(bound.mask if bound is not None else None)
     bm = structure.block_size[0]
@@ -368,8 +368,8 @@ class Thresholds:
         for tile0 in range(0, self.n_tiles, self.chunk):
             n = min(self.chunk, self.n_tiles - tile0)
             for has_hi in (False, True):  # the tiles whose hi is +inf in every row (the usual ones), the others
-                out.append((capture, (n,), (q, k, lo, hi, area, counts, flags, *qk, *self.dims, tile0,
-                                            *self.mask_args), dict(kw_capture, HAS_HI=has_hi)))
+                out.append((capture, (n,), (q, k, lo, hi, area, counts, flags, thr[self.rows:], *qk, *self.dims,
+                                            tile0, *self.mask_args), dict(kw_capture, HAS_HI=has_hi)))
             out.append((select, (n * self.bm // self.group,),
                         (lo, area, counts, thr, flags, q_len, tile0, self.topk), self.select_kwargs))
         out.append((fallback, (self.fallback_programs,),
@@ -377,17 +377,19 @@ class Thresholds:
         return out
 
     def buffers(self, device):
-        """(thr, lo, hi, area, counts, flags, work) of one call: thr is the result, B * H * Sq floats;
-        lo, hi and counts (2 a row) are per row too, area per chunk of tiles."""
+        """(thr, lo, hi, area, counts, flags, work) of one call: thr is the result, 2 * B * H * Sq
+        floats (each row's threshold, then each row's largest score); lo, hi and counts (2 a row)
+        are per row too, area per chunk of tiles."""
         f32 = dict(dtype=torch.float32, device=device)
-        return (torch.empty(self.rows, **f32), torch.empty(self.rows, **f32), torch.empty(self.rows, **f32),
+        return (torch.empty(2 * self.rows, **f32), torch.empty(self.rows, **f32), torch.empty(self.rows, **f32),
                 torch.empty(self.chunk * self.bm * self.cap_w, **f32),
                 torch.empty(self.rows * 2, dtype=torch.int32, device=device),
                 torch.empty(self.n_tiles, dtype=torch.int32, device=device),
                 torch.empty(self.fallback_programs * self.bm * (self.cap_w + 3), **f32))
 
     def run(self, q, k):
-        """Each query row's threshold: B * H * Sq floats."""
+        """Each query row's threshold, then each row's largest score: 2 * B * H * Sq floats (the
+        attention kernel's THR)."""
         buffers = self.buffers(q.device)
         if self.tma:
             _ensure_allocator()
