@@ -7,6 +7,7 @@ exact), "sampled" (a small sample brackets the threshold and one capture pass fi
 their tiles, and topk_threshold redoes them with retries).
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -368,6 +369,13 @@ def test_selection_counts_are_the_compares(stride, width, extra):
         assert counts[row] == (written >= thresholds[row]).sum(), row
         assert c_lo[row] == (written >= lo[row]).sum() >= ranks[row] > (written >= hi[row]).sum() == c_hi[row], row
         assert lo[row] < hi[row]
+
+
+def test_bracket_ranks_are_margin_standard_deviations_of_the_sampled_count():
+    # a quarter of 4096 keys sampled, K=256: 64 expected, variance 256 * 1/4 * 3/4 = 48
+    f, rank_lo, rank_hi = forward._bracket_ranks(256, 4096, 64, 1024)
+    spread = forward.TOPK_MARGIN * 48 ** 0.5
+    assert (f, rank_lo, rank_hi) == (0.25, math.ceil(64 + spread + 2), math.floor(64 - spread - 1)) == (0.25, 105, 24)
 
 
 def test_capture_width_covers_the_bracket():

@@ -81,7 +81,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 # Top-k thresholds (the top-k kernels of the template): each row samples some of its scores
 # (TOPK_SAMPLE below), and the bracket it then captures keeps TOPK_MARGIN standard deviations of the
 # sampled count from the expected rank at either end, so that a row misses its bracket about once in
-# 25 million (normal tails beyond 5.5 sigma): a miss costs its query tile more passes, which hold up
+# 25 million (normal tails beyond 5.5 sigma). A sampled share f of the row holds topk * f of its topk
+# largest scores on average, with variance topk * f * (1 - f) (drawn without replacement; taken as
+# topk * f until 2026-12-02, which made the margin 6.35 standard deviations at f = 1/4: B=4 H=16
+# S=4096 K=256 on the H200, 462 scores captured a row against 421 now, whole call 3.307 against
+# 3.275 ms, run 67 in benchmarks/RESULTS.md). A miss costs its query tile more passes, which hold up
 # the whole call (one missed row in 262,144 at margin 4 added 2.6 ms to a 11 ms call, H200
 # 2026-11-30), and a call at B=4 H=16 S=16384 has a million rows. The capture area is sized by the
 # same margin. The sample is every stride-th key block, not a random one: keys whose scores depend
@@ -172,7 +176,7 @@ def _bracket_ranks(topk: int, kv_len: int, block_n: int, sample_w: int) -> tuple
         return None
     f = math.ceil(n_blocks / stride) / n_blocks
     expect = topk * f
-    spread = TOPK_MARGIN * math.sqrt(expect)
+    spread = TOPK_MARGIN * math.sqrt(expect * (1 - f))  # drawn without replacement, as _sampled_count
     return f, math.ceil(expect + spread + 2), max(0, math.floor(expect - spread - 1))
 
 
