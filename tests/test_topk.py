@@ -376,6 +376,9 @@ def test_bracket_ranks_are_margin_standard_deviations_of_the_sampled_count():
     f, rank_lo, rank_hi = forward._bracket_ranks(256, 4096, 64, 1024)
     spread = forward.TOPK_MARGIN * 48 ** 0.5
     assert (f, rank_lo, rank_hi) == (0.25, math.ceil(64 + spread + 2), math.floor(64 - spread - 1)) == (0.25, 105, 24)
+    # an eighth of 16384: a hi end of rank 1 (of 2048 sampled scores) would keep 8 scores a row out
+    # of the capture and cost every score the count above it, so there is none
+    assert forward._bracket_ranks(256, 16384, 64, 2048) == (0.125, 64, 0)
 
 
 def test_capture_width_covers_the_bracket():

@@ -112,6 +112,13 @@ TOPK_SAMPLE_SHARE = 1 / 8
 # would rank past the bound (causal, S=4096, K=256: 964 tiles of 4096 captured their rows whole,
 # overflowed and were redone, 50.6 ms a call, H200 run 61; 2.6 ms with the rule, run 62).
 TOPK_CANDIDATES = 0.75
+# The bracket's hi end, where the sampled count above it is at least TOPK_HI_SHARE of the sampled
+# scores: a finite hi keeps about rank_hi / f scores a row out of the capture, but every tile with
+# one runs the capture loop with the count above it (699 sm_90 instructions a block against 402).
+# H200, B=4 H=16 K=256: at S=4096 (rank 24 of 1024 sampled scores, 2.3%) the hi end took 3.51 to
+# 3.42 ms a call (run 62); at S=16384 (rank 1 of 2048, 0.05%) a call took 39.5 ms with it (run 69,
+# after the margin's correction gave it that rank) and 35.9 without (run 59).
+TOPK_HI_SHARE = 0.01
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 # Points per counting round of a search (the bracket's two rounds over its sample's candidates, and
 # a selection's rounds over the captured scores), and a selection's rounds before its exact search.
@@ -177,7 +184,10 @@ def _bracket_ranks(topk: int, kv_len: int, block_n: int, sample_w: int) -> tuple
     f = math.ceil(n_blocks / stride) / n_blocks
     expect = topk * f
     spread = TOPK_MARGIN * math.sqrt(expect * (1 - f))  # drawn without replacement, as _sampled_count
-    return f, math.ceil(expect + spread + 2), max(0, math.floor(expect - spread - 1))
+    rank_hi = math.floor(expect - spread - 1)
+    if rank_hi < TOPK_HI_SHARE * f * n_blocks * block_n:
+        rank_hi = 0  # no hi end
+    return f, math.ceil(expect + spread + 2), rank_hi
 
 
 def _sampled(topk: int, kv_len: int, block_n: int) -> tuple[int, float, int]:
@@ -345,7 +355,8 @@ class Thresholds:
         self.topk = topk
         cuda = q.device.type == "cuda"
         shared = shared_kwargs(q, shape, structure, config)
-        bracket = dict(shared, SAMPLE_W=sample_w, CAP_W=cap_w, RANK_MAX=_rank_max(bn), GRID=TOPK_GRID)
+        bracket = dict(shared, SAMPLE_W=sample_w, CAP_W=cap_w, RANK_MAX=_rank_max(bn), HI_SHARE=TOPK_HI_SHARE,
+                       GRID=TOPK_GRID)
         capture = dict(shared, CAP_W=cap_w, ASM_STORE=cuda, num_stages=stages)
         fallback = dict(shared, CAP_W=cap_w, CAP_GROUP=group_rows(cap_w, bm, config.num_warps), GRID=TOPK_GRID,
                         ROUNDS=TOPK_ROUNDS, ASM_STORE=cuda)
