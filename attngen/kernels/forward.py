@@ -149,9 +149,10 @@ TOPK_SELECT_SM_WARPS = 16
 # topk_capture's pipeline stages and programs an SM (its own: the stages change how keys are
 # loaded, not the scores). At 2 stages a program takes 55 KB of shared memory on sm_90, so 3 run on
 # an SM; at 4 stages 88 KB, so 2. Where the bracket captures more than TOPK_DENSE_CAPTURE of a
-# row's keys the stores bound the kernel, and 4 stages with 2 programs an SM are faster: H200 run
-# 50 at B=4 H=16 D=128, S=4096, capture kernel at 2 / 4 stages (ms): K=64 (5% captured) 1.016 /
-# 1.074, K=128 (8%) 1.330 / 1.273, K=256 (13%) 1.900 / 1.685, K=512 (18%) 3.119 / 2.318.
+# row's keys, 4 stages with 2 programs an SM are faster: H200 run 50 at B=4 H=16 D=128, S=4096,
+# capture kernel at 2 / 4 stages (ms): K=64 (5% captured) 1.016 / 1.074, K=128 (8%) 1.330 / 1.273,
+# K=256 (13%) 1.900 / 1.685, K=512 (18%) 3.119 / 2.318. (Not because the stores bound it: with
+# every store predicated off the capture took 1.495 ms against 1.633 at K=256, run 71.)
 TOPK_CAPTURE_STAGES = 2
 TOPK_CAPTURE_PROGRAMS = 3
 TOPK_DENSE_CAPTURE_STAGES = 4
