@@ -160,6 +160,29 @@ def test_bracket_from_the_sample_candidates(topk, mask, integer, block_n, margin
     check(q, k, v, mask, topk, KernelConfig(16, block_n, 4, 1))
 
 
+@pytest.mark.parametrize("share", [0.01, 0.05])
+def test_bracket_hi_end_only_where_its_rank_is_a_share_of_the_sample(share, monkeypatch):
+    """K=150 over 25 key blocks of 64, 7 of them sampled (448 scores): the hi end's rank, 10, is
+    2.2% of the sample, so topk_bracket gives every row a finite hi at a share of 1% and none at
+    5% (each such tile then runs the capture without the count above hi); the thresholds are
+    exact either way."""
+    monkeypatch.setattr(forward, "TOPK_SAMPLE", 8 * 64)
+    monkeypatch.setattr(forward, "TOPK_HI_SHARE", share)
+    rank_hi = forward._bracket_ranks(150, 25 * 64, 64, 8 * 64)[2]
+    assert rank_hi == (10 if share == 0.01 else 0)
+    q, k, v = rand_qkv(1, 2, 1, 64, 25 * 64, 16, torch.float32)
+    config = KernelConfig(16, 64, 4, 1)
+    shape = check_qkv(q, k, v, kernel=True)
+    bound, structure = forward.blocks(q, None, shape, config)
+    thresholds = forward.Thresholds(q, k, bound, structure, shape, 1.0, 150, config)
+    buffers = thresholds.buffers(q.device)
+    for kernel, grid, args, kwargs in thresholds.launches(q, k, *buffers):
+        kernel[grid](*args, **kwargs)
+    hi = buffers[2]
+    assert bool(torch.isfinite(hi).all()) if rank_hi else bool((hi == float("inf")).all())
+    check(q, k, v, None, 150, config)
+
+
 def test_topk_after_score_modifiers_and_a_block_layout(path):
     """The k largest are taken among the visible, modified scores."""
     q, k, v = rand_qkv(1, 2, 2, 64, 80, 16, torch.float32)
