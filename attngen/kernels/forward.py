@@ -114,10 +114,11 @@ TOPK_SAMPLE_SHARE = 1 / 8
 TOPK_CANDIDATES = 0.75
 # The bracket's hi end, where the sampled count above it is at least TOPK_HI_SHARE of the sampled
 # scores: a finite hi keeps about rank_hi / f scores a row out of the capture, but every tile with
-# one runs the capture loop with the count above it (699 sm_90 instructions a block against 402).
-# H200, B=4 H=16 K=256: at S=4096 (rank 24 of 1024 sampled scores, 2.3%) the hi end took 3.51 to
-# 3.42 ms a call (run 62); at S=16384 (rank 1 of 2048, 0.05%) a call took 39.5 ms with it (run 69,
-# after the margin's correction gave it that rank) and 35.9 without (run 59).
+# one runs the capture loop with the count above it (518 sm_90 instructions a block against 407;
+# 747 against 436 before run 72). H200, B=4 H=16 K=256: at S=4096 (rank 24 of 1024 sampled scores,
+# 2.3%) the hi end took 3.51 to 3.42 ms a call (run 62), and 3.306 to 3.163 (run 72); at S=16384
+# (rank 1 of 2048, 0.05%) a call took 39.5 ms with it (run 69, after the margin's correction gave
+# it that rank) and 35.9 without (run 59).
 TOPK_HI_SHARE = 0.01
 TOPK_GROUP_VALUES = 32  # scores per thread that a selection holds in registers (sets its rows per group)
 # Points per counting round of a search (the bracket's two rounds over its sample's candidates, and
