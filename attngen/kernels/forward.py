@@ -135,8 +135,13 @@ TOPK_ROUNDS = 1
 # run 52, B=4 H=16 S=4096: selection 0.596 / 0.985 ms at K=64 / 256 against 0.658 / 1.191 at 4 warps).
 TOPK_SELECT_WARPS = 1
 # The capture areas live in memory between topk_capture and topk_select; a call with more query
-# tiles than this many floats of area hold runs them chunk by chunk.
-TOPK_AREA_FLOATS = 64 << 20  # 256 MiB
+# tiles than this many floats of area hold runs them chunk by chunk. Every chunk's launches end on
+# a partly idle GPU while their last programs finish: B=4 H=16 S=4096 K=256 (areas of 1024 scores
+# a row, 1 GiB in all) on an H200, whole call 3.108 ms in 4 chunks (a budget of 256 MiB), 3.064 in
+# 2, 3.016 in 1 (run 74 in benchmarks/RESULTS.md; capture kernel 1.511 / 1.426 / 1.368 ms). The
+# peak memory above the inputs at that shape is then 1128 MiB (run 75), against 360 at 256 MiB and 10368
+# for the straightforward torch code.
+TOPK_AREA_FLOATS = 256 << 20  # 1 GiB
 # The top-k kernels are latency-bound (dependent counting steps, scattered stores, few warps to
 # hide them): each runs a set number of warps per SM, with registers capped to fit (for the fused
 # kernel, 3 programs of 4 warps at 168 registers a thread took 6-11% off the call against 2
