@@ -183,6 +183,35 @@ def test_bracket_hi_end_only_where_its_rank_is_a_share_of_the_sample(share, monk
     check(q, k, v, None, 150, config)
 
 
+@pytest.mark.parametrize("margin", [5.5, 0.0], ids=["margin", "no margin"])
+def test_one_capture_launch_takes_tiles_with_and_without_a_hi_end(margin, monkeypatch):
+    """K=80 over 16 key blocks of 32, 8 of them sampled: the full rows' bracket has a hi end (rank
+    14), so the capture is one launch, with the count above hi, for every tile; under a causal mask
+    the first query tiles see too few keys for a hi end (or are captured whole), and that launch
+    takes them too. The thresholds are exact either way, and with no margin (rows that miss,
+    retried) too."""
+    monkeypatch.setattr(forward, "TOPK_SAMPLE", 8 * 32)
+    monkeypatch.setattr(forward, "TOPK_MARGIN", margin)
+    if margin:
+        assert forward._bracket_ranks(80, 512, 32, 8 * 32)[2] == 14
+        assert forward.capture_launches(8, 512, 32) == ((False, False), (True, False))  # no hi end at K=8
+    assert forward.capture_launches(80, 512, 32) == ((True, True),)
+    q, k, v = rand_qkv(1, 2, 1, 512, 512, 16, torch.float32)
+    config = KernelConfig(16, 32, 4, 1)
+    shape = check_qkv(q, k, v, kernel=True)
+    bound, structure = forward.blocks(q, attngen.masks.as_mask("causal"), shape, config)
+    thresholds = forward.Thresholds(q, k, bound, structure, shape, 1.0, 80, config)
+    buffers = thresholds.buffers(q.device)
+    launches = thresholds.launches(q, k, *buffers)
+    assert [kw["ALL_TILES"] for kernel, _, _, kw in launches if kernel.fn.__name__ == "topk_capture"] == [True]
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    hi_tiles = torch.isfinite(buffers[2]).view(-1, 16).any(1)
+    if margin:
+        assert bool(hi_tiles.any()) and not bool(hi_tiles.all())
+    check(q, k, v, "causal", 80, config)
+
+
 def test_topk_after_score_modifiers_and_a_block_layout(path):
     """The k largest are taken among the visible, modified scores."""
     q, k, v = rand_qkv(1, 2, 2, 64, 80, 16, torch.float32)
@@ -448,19 +477,27 @@ SM90_SHARED = 233472  # shared memory of an sm_90 SM, of which each resident pro
 SM90_RESERVED = 1024
 
 
-@pytest.mark.parametrize("config", ["16 16 4 1 0", "64 64 4 3 1"], ids=["16x16", "64x64 TMA"])
-def test_threshold_kernels_compile_for_hopper(config):
+@pytest.mark.parametrize("config,topk", [("16 16 4 1 0", 64), ("64 64 4 3 1", 64), ("64 64 4 3 1", 256)],
+                         ids=["16x16", "64x64 TMA", "64x64 TMA K=256"])
+def test_threshold_kernels_compile_for_hopper(config, topk):
     """The interpreter runs code that a GPU compiler may refuse (an int8 dot over 16 keys did, and
     only the GPU run noticed): compile the threshold kernels for sm_90, as a CUDA launch would, in
     a child process, at the smallest key blocks and at the threshold tiles of sm_90: topk_bracket,
-    topk_capture without and with the count above hi, topk_select and topk_threshold."""
+    topk_capture (without and with the count above hi at K=64, one launch for every tile at K=256,
+    where the rows have a hi end), topk_select and topk_threshold."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, str(root / "tests" / "compile_hopper.py"), *config.split(), "64", "4096"],
-                            capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0 and result.stdout.count("ok") == 5, result.stderr[-4000:]
-    # both captures leave room in an SM's shared memory for the programs an SM they are sized for
+    result = subprocess.run([sys.executable, str(root / "tests" / "compile_hopper.py"), *config.split(), str(topk),
+                             "4096"], capture_output=True, text=True, timeout=900, env=env)
+    block_n, warps = (int(x) for x in config.split()[1:3])
+    captures = forward.capture_launches(topk, 4096, block_n)
+    assert len(captures) == (1 if topk == 256 else 2)
+    assert result.returncode == 0 and result.stdout.count("ok") == 3 + len(captures), result.stderr[-4000:]
+    # the captures leave room in an SM's shared memory for the programs an SM they are sized for
     # (compiled into one kernel, the two passes took 88 KB, room for 2 where 3 were meant to run)
-    programs = forward.capture_setup(64, 4096, int(config.split()[1]))[1]
+    programs = forward.capture_setup(topk, 4096, block_n)[1]
     shared = [int(line.split()[2]) for line in result.stdout.splitlines() if line.startswith("ok topk_capture")]
-    assert len(shared) == 2 and all(programs * (size + SM90_RESERVED) <= SM90_SHARED for size in shared), shared
+    assert len(shared) == len(captures) and all(programs * (size + SM90_RESERVED) <= SM90_SHARED for size in shared)
+    # so does the bracket, whose sampled blocks are loaded through a pipeline (66.5 KB at 3 stages)
+    bracket = [int(line.split()[2]) for line in result.stdout.splitlines() if line.startswith("ok topk_bracket")]
+    assert forward.TOPK_BRACKET_SM_WARPS // warps * (bracket[0] + SM90_RESERVED) <= SM90_SHARED, bracket

@@ -238,6 +238,21 @@ def capture_setup(topk: int, kv_len: int, block_n: int) -> tuple[int, int]:
     return TOPK_CAPTURE_STAGES, TOPK_CAPTURE_PROGRAMS
 
 
+def capture_launches(topk: int, kv_len: int, block_n: int) -> tuple[tuple[bool, bool], ...]:
+    """topk_capture's launches a chunk, as (HAS_HI, ALL_TILES): one with the count above hi for
+    every tile where the bracket of a row of kv_len keys has a hi end (so every tile of a dense
+    call has one; a tile without one is still right there, its count above +inf being 0), else one
+    for the tiles without a hi end, then one for those with. A launch that finds no tile of its kind
+    still starts a program a tile, each reading its rows' brackets: 9 to 30 us a launch (H200, 1024
+    tiles of 64 rows). B=4 H=16 S=4096 K=256, whole call: 2.981 to 2.929 ms dense, 2.112 to 2.068
+    causal, whose first tiles have no hi end (run 76 in benchmarks/RESULTS.md)."""
+    sample_w = topk_widths(topk, kv_len, block_n)[0]
+    ranks = _bracket_ranks(topk, kv_len, block_n, sample_w)
+    if ranks is not None and ranks[2] >= 1:
+        return ((True, True),)
+    return ((False, False), (True, False))
+
+
 def chunk_tiles(n_tiles: int, fit: int, resident: int) -> int:
     """Query tiles a chunk of topk_capture and topk_select takes: all of them where `fit` (the
     tiles whose capture areas TOPK_AREA_FLOATS holds) are all; else `fit`, or `resident` (the
@@ -349,6 +364,7 @@ class Thresholds:
         bm, bn = structure.block_size
         sample_w, cap_w = topk_widths(topk, shape.kv_len, bn)
         stages, programs = capture_setup(topk, shape.kv_len, bn)
+        self.captures = capture_launches(topk, shape.kv_len, bn)
         self.bm, self.cap_w = bm, cap_w
         self.n_tiles = math.ceil(shape.q_len / bm) * shape.batch * shape.heads
         resident = _programs(self.n_tiles, q.device, programs)
@@ -389,9 +405,10 @@ class Thresholds:
                 kw_bracket)]
         for tile0 in range(0, self.n_tiles, self.chunk):
             n = min(self.chunk, self.n_tiles - tile0)
-            for has_hi in (False, True):  # the tiles whose hi is +inf in every row (the usual ones), the others
+            for has_hi, all_tiles in self.captures:
                 out.append((capture, (n,), (q, k, lo, hi, area, counts, flags, thr[self.rows:], *qk, *self.dims,
-                                            tile0, *self.mask_args), dict(kw_capture, HAS_HI=has_hi)))
+                                            tile0, *self.mask_args),
+                            dict(kw_capture, HAS_HI=has_hi, ALL_TILES=all_tiles)))
             out.append((select, (n * self.bm // self.group,),
                         (lo, area, counts, thr, flags, q_len, tile0, self.topk), self.select_kwargs))
         out.append((fallback, (self.fallback_programs,),
