@@ -139,8 +139,8 @@ TOPK_SELECT_WARPS = 1
 # a partly idle GPU while their last programs finish: B=4 H=16 S=4096 K=256 (areas of 1024 scores
 # a row, 1 GiB in all) on an H200, whole call 3.108 ms in 4 chunks (a budget of 256 MiB), 3.064 in
 # 2, 3.016 in 1 (run 74 in benchmarks/RESULTS.md; capture kernel 1.511 / 1.426 / 1.368 ms). The
-# peak memory above the inputs at that shape is then 1128 MiB (run 75), against 360 at 256 MiB and 10368
-# for the straightforward torch code.
+# peak memory above the inputs at that shape is then 1128 MiB (run 75), against 360 at 256 MiB
+# and 10368 for the straightforward torch code.
 TOPK_AREA_FLOATS = 256 << 20  # 1 GiB
 # The top-k kernels are latency-bound (dependent counting steps, scattered stores, few warps to
 # hide them): each runs a set number of warps per SM, with registers capped to fit (for the fused
