@@ -50,6 +50,7 @@ def check(q, k, v, mask, topk, config, dtype=torch.float32):
     (8, KernelConfig(16, 16, 4, 1)),
     (8, KernelConfig(16, 16, 4, 1, use_tma=True)),  # both kernels load K through tensor descriptors
     (40, KernelConfig(32, 16, 4, 1)),  # causal: the first 40 rows see fewer than topk keys
+    (64, KernelConfig(16, 32, 4, 1)),  # causal: the first 64 rows see fewer than topk keys
     (300, KernelConfig(16, 32, 4, 1)),  # more than Sk: every visible key
 ], ids=lambda x: str(x))
 def test_topk_matches_reference(topk, config, mask, path):
