@@ -246,6 +246,53 @@ class Expr:
         operands = [node.left] + node.comparators
         return [(operands[i], op, operands[i + 1]) for i, op in enumerate(node.ops)]
 
+    # -- derivative ---------------------------------------------------------------------
+    def derivative(self, name: str) -> "Expr":
+        """d(expression) / d(name) as an expression of the same language (where the expression
+        branches, the derivative of the branch taken; integer operators and conditions have none).
+        Raises ExprError where `name` enters something without a derivative (`//`, `%`, an index)."""
+        tree = _simplify(self._derive(self._tree, name))
+        return Expr(ast.unparse(tree), self._allowed, self._tensors)
+
+    def _derive(self, node, x: str):
+        d = lambda n: self._derive(n, x)  # noqa: E731
+        if not _uses(node, x):
+            return _num(0)
+        if isinstance(node, ast.Name):
+            return _num(1)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            return ast.BinOp(d(node.left), node.op, d(node.right))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            return _add(_mul(d(node.left), node.right), _mul(node.left, d(node.right)))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and not _uses(node.right, x):
+            return ast.BinOp(d(node.left), ast.Div(), node.right)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            top = ast.BinOp(_mul(d(node.left), node.right), ast.Sub(), _mul(node.left, d(node.right)))
+            return ast.BinOp(top, ast.Div(), _mul(node.right, node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return ast.UnaryOp(node.op, d(node.operand))
+        if isinstance(node, ast.IfExp):
+            return ast.IfExp(node.test, d(node.body), d(node.orelse))
+        if isinstance(node, ast.Call):
+            fname, args = node.func.id, node.args
+            if fname == "where":
+                return _call("where", args[0], d(args[1]), d(args[2]))
+            if fname in ("minimum", "maximum"):
+                pick = ast.Compare(args[0], [ast.LtE() if fname == "minimum" else ast.GtE()], [args[1]])
+                return _call("where", pick, d(args[0]), d(args[1]))
+            inner = d(args[0])
+            outer = {
+                "abs": lambda a: _call("where", ast.Compare(a, [ast.GtE()], [_num(0)]), _num(1), _num(-1)),
+                "exp": lambda a: _call("exp", a),
+                "log": lambda a: ast.BinOp(_num(1), ast.Div(), a),
+                "sqrt": lambda a: ast.BinOp(_num(0.5), ast.Div(), _call("sqrt", a)),
+                "sigmoid": lambda a: _mul(_call("sigmoid", a), ast.BinOp(_num(1), ast.Sub(), _call("sigmoid", a))),
+                "tanh": lambda a: ast.BinOp(_num(1), ast.Sub(), _mul(_call("tanh", a), _call("tanh", a))),
+            }.get(fname)
+            if outer is not None:
+                return _mul(outer(args[0]), inner)
+        raise ExprError(f"{ast.unparse(node)!r} in {self.text!r} has no derivative with respect to {x!r}")
+
     # -- torch --------------------------------------------------------------------------
     def evaluate(self, env: dict):
         """Evaluate with torch: `env` maps every used name to a tensor, number or bool."""
@@ -295,3 +342,70 @@ def gather(tensor: torch.Tensor, indices: list):
     clamped = [i.clamp(0, size - 1) for i, size in zip(idx, tensor.shape)]
     values = tensor[tuple(clamped)]
     return torch.where(inside, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+# -- building derivative expressions -------------------------------------------------------
+def _num(value):
+    return ast.Constant(value)
+
+
+def _is_num(node, value) -> bool:
+    return isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value == value
+
+
+def _call(name: str, *args):
+    return ast.Call(ast.Name(name, ast.Load()), list(args), [])
+
+
+def _add(a, b):
+    return ast.BinOp(a, ast.Add(), b)
+
+
+def _mul(a, b):
+    return ast.BinOp(a, ast.Mult(), b)
+
+
+def _uses(node, name: str) -> bool:
+    """Whether `name` occurs in `node` outside the indices of tensor parameters."""
+    if isinstance(node, ast.Subscript):
+        return False
+    if isinstance(node, ast.Name):
+        return node.id == name
+    return any(_uses(child, name) for child in ast.iter_child_nodes(node))
+
+
+def _simplify(node):
+    """Fold the zeros and ones a derivative leaves behind (0 + x, 1 * x, 0 * x, x - 0, where(c, 0, 0))."""
+    for field, value in ast.iter_fields(node):
+        if isinstance(value, ast.AST):
+            setattr(node, field, _simplify(value))
+        elif isinstance(value, list):
+            setattr(node, field, [_simplify(v) if isinstance(v, ast.AST) else v for v in value])
+    if isinstance(node, ast.BinOp):
+        left, right = node.left, node.right
+        if isinstance(node.op, ast.Add):
+            if _is_num(left, 0):
+                return right
+            if _is_num(right, 0):
+                return left
+        if isinstance(node.op, ast.Sub) and _is_num(right, 0):
+            return left
+        if isinstance(node.op, ast.Sub) and _is_num(left, 0):
+            return _simplify(ast.UnaryOp(ast.USub(), right))
+        if isinstance(node.op, ast.Mult):
+            if _is_num(left, 0) or _is_num(right, 0):
+                return _num(0)
+            if _is_num(left, 1):
+                return right
+            if _is_num(right, 1):
+                return left
+        if isinstance(node.op, ast.Div) and _is_num(left, 0):
+            return _num(0)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+            and not isinstance(node.operand.value, bool):
+        return _num(-node.operand.value)
+    if isinstance(node, ast.IfExp) and ast.dump(node.body) == ast.dump(node.orelse):
+        return node.body
+    if isinstance(node, ast.Call) and node.func.id == "where" and ast.dump(node.args[1]) == ast.dump(node.args[2]):
+        return node.args[1]
+    return node

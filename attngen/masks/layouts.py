@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .masks import Mask, mask
+from .objects import Mask, mask
 
 
 def block_sparse(layout: torch.Tensor, block_size=(128, 128)) -> Mask:

@@ -1,0 +1,196 @@
+"""Mask objects: templates with their parameter values, combined with `&` and `|`.
+
+    window = attngen.mask("sliding_window", window=1024)
+    m = (window & attngen.mask("document", doc_ids=ids)) & attngen.mask("softcap", cap=50.0)
+    m = attngen.masks.parse_spec("sliding_window(window=1024) & softcap(cap=50.0)")  # the same, as text
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+
+import torch
+
+from . import templates as templates_
+from .binding import is_term
+from .blocks import BlockStructure, block_structure
+from .templates import MISSING, Template, get_template
+
+
+class Term:
+    """One template with its parameter values."""
+
+    def __init__(self, template: Template, values: dict, partial: bool = False):
+        self.template = template
+        checked = {}
+        for name, value in values.items():
+            if name not in template.params:
+                known = ", ".join(template.params) or "none"
+                raise TypeError(f"mask {template.name!r} has no parameter {name!r} (parameters: {known})")
+            checked[name] = template.params[name].check(template.name, value)
+        for param in template.params.values():
+            if param.name not in checked:
+                if not param.required:
+                    checked[param.name] = param.default
+                elif not (partial and not param.static):
+                    raise TypeError(f"mask {template.name!r} is missing parameter {param.name!r} "
+                                    f"({param.describe()})")
+        self.values = checked
+        self.static = {n: v for n, v in checked.items() if template.params[n].static}
+        self.runtime = [p for p in template.params.values() if not p.static]
+
+    @property
+    def key(self):
+        return (str(self.template.path), tuple(sorted(self.static.items())))
+
+    @property
+    def expr(self) -> Expr:
+        return self.template.expression(self.static)
+
+    def __repr__(self):
+        shown = {n: ("<tensor>" if isinstance(v, torch.Tensor) else v) for n, v in self.values.items()}
+        args = ", ".join(f"{n}={v!r}" for n, v in shown.items())
+        return f"{self.template.name}({args})" if args else self.template.name
+
+    def variant(self) -> str:
+        """The name plus the parameters that change the kernel."""
+        args = ", ".join(f"{n}={v!r}" for n, v in self.static.items())
+        return f"{self.template.name}({args})" if args else self.template.name
+
+
+class Mask:
+    """A visibility predicate (terms combined with & and |) plus score modifiers."""
+
+    def __init__(self, tree=None, mods: tuple = ()):
+        self.tree = tree  # None (all visible), a Term, or (op, left, right)
+        self.mods = tuple(mods)
+        # computed once: the dispatcher reads these on every call (no cached_property: it locks on 3.11)
+        terms = self.terms()
+        self.key = (self._structure(tree), tuple(t.key for t in self.mods))  # equal keys render the same kernel
+        scalars = tuple(t.values.get(p.name) for t in terms for p in t.runtime if p.type != "tensor")
+        self.call_key = (self.key, scalars)  # plus the run-time scalars: equal keys launch identically
+        self.has_tensors = any(p.type == "tensor" for t in terms for p in t.runtime)
+
+    @staticmethod
+    def _structure(node):
+        if is_term(node):
+            return node.key
+        return None if node is None else (node[0], Mask._structure(node[1]), Mask._structure(node[2]))
+
+    def _combine(self, other, op: str) -> "Mask":
+        if not isinstance(other, Mask):
+            return NotImplemented
+        if op == "|" and (self.mods or other.mods):
+            raise TypeError("score modifiers combine with masks by &, not |")
+        if self.tree is None or other.tree is None:
+            if op == "|" and (self.tree is not None or other.tree is not None):
+                tree = None  # everything | anything is everything
+            else:
+                tree = self.tree if other.tree is None else other.tree
+        else:
+            tree = (op, self.tree, other.tree)
+        return Mask(tree, self.mods + other.mods)
+
+    def __and__(self, other):
+        return self._combine(other, "&")
+
+    def __or__(self, other):
+        return self._combine(other, "|")
+
+    def terms(self) -> list[Term]:
+        """Every term in a fixed order: the predicate's, left to right, then the modifiers."""
+        out = []
+
+        def walk(node):
+            if is_term(node):
+                out.append(node)
+            elif node is not None:
+                walk(node[1])
+                walk(node[2])
+
+        walk(self.tree)
+        return out + list(self.mods)
+
+    def _text(self, fn) -> str:
+        def walk(node, top=True):
+            if is_term(node):
+                return fn(node)
+            inner = f"{walk(node[1], False)} {node[0]} {walk(node[2], False)}"
+            return inner if top else f"({inner})"
+
+        parts = [walk(self.tree)] if self.tree is not None else []
+        parts += [fn(t) for t in self.mods]
+        return " & ".join(parts) if parts else "none"
+
+    def __repr__(self):
+        return f"attngen.Mask({self._text(repr)})"
+
+    @functools.cached_property
+    def variant(self) -> str:
+        """What the kernel is specialised for, e.g. `causal(align='bottom_right') & softcap`."""
+        return self._text(Term.variant)
+
+    def block_structure(self, q_len: int, kv_len: int, block_size: tuple[int, int], *,
+                        batch: int = 1, heads: int = 1, device=None) -> "BlockStructure":
+        """Classify (BLOCK_M x BLOCK_N) tiles as empty, partial or full, per batch and head."""
+        return block_structure(self, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
+
+
+_NAMED: dict[str, tuple[int, Mask]] = {}  # name -> (templates' generation, mask)
+
+
+def mask(name: str, **params) -> Mask:
+    """A mask (or score modifier) from the template `name` with its parameters."""
+    if not isinstance(name, str):
+        raise TypeError(f"mask name must be a str, got {type(name).__name__}")
+    term = Term(get_template(name), params)
+    return Mask(mods=(term,)) if term.template.kind == "score" else Mask(term)
+
+
+def as_mask(value, argument: str = "mask") -> Mask | None:
+    """`None`, a template name or a Mask, as given to attention(mask=...)."""
+    if value is None or isinstance(value, Mask):
+        return value
+    if isinstance(value, str):
+        # one Mask per name while the loaded templates stay the same; this is on every call's path,
+        # so it reads no environment variable (a change of ATTNGEN_TEMPLATE_PATH is seen by new names)
+        named = _NAMED.get(value)
+        if named is None or named[0] != templates_.generation():
+            m = mask(value)
+            named = _NAMED[value] = (templates_.generation(), m)
+        return named[1]
+    raise TypeError(f"{argument} must be None, a mask name or an attngen mask object, got {type(value).__name__}")
+
+
+def parse_spec(text: str, *, partial: bool = False) -> Mask | None:
+    """A mask from text such as `causal & sliding_window(window=256) & softcap(cap=30.0)`.
+
+    `none` is no mask. With `partial`, run-time parameters may be left out (enough to render).
+    """
+    text = text.strip()
+    if text in ("", "none"):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"mask spec {text!r} is not valid: {e.msg}") from None
+
+    def build(node) -> Mask:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+            left, right = build(node.left), build(node.right)
+            return left & right if isinstance(node.op, ast.BitAnd) else left | right
+        if isinstance(node, ast.Name):
+            name, kwargs = node.id, {}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+            name = node.func.id
+            try:
+                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            except ValueError:
+                raise ValueError(f"mask spec {text!r}: parameters must be literals (numbers, strings, booleans)") from None
+        else:
+            raise ValueError(f"mask spec {text!r}: expected name, name(param=value, ...), joined by & or |")
+        term = Term(get_template(name), kwargs, partial=partial)
+        return Mask(mods=(term,)) if term.template.kind == "score" else Mask(term)
+
+    return build(tree)
