@@ -1,0 +1,101 @@
+"""The backward kernel family (`bwd`): templates/kernels/backward.py.jinja, its tiles and launches.
+
+Three launches a call: the preprocessing pass (each row's delta = dO·O - dLSE), dK/dV (a program
+per key block and key/value head, walking the query blocks that see the key block: the forward's
+tile classes, transposed) and dQ (a program per query block, walking the forward's own block
+lists). The scores are recomputed from the saved LSE with the forward's score code.
+
+Reading order: the tiles of a config, then `backward`, which the autograd Function calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import masks as masks_
+from ..config import KernelConfig, block_d_for
+from .launch import Launch, dims, dot_precision, mask_args, module_for, structure_args, tensor_args
+from .topk import TopkTuning, threshold_config
+
+TEMPLATE = "backward"  # templates/kernels/backward.py.jinja
+PREPROCESS_ROWS = 64  # query rows a preprocessing program takes
+
+
+def tiles(config: KernelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((BLOCK_M, BLOCK_N) of dK/dV, (BLOCK_M, BLOCK_N) of dQ). dK/dV keeps a key block of block_n
+    rows in registers and streams query blocks of block_m; dQ the other way round, a query block of
+    block_n rows against key blocks of block_m."""
+    return (config.block_m, config.block_n), (config.block_n, config.block_m)
+
+
+def topk_config(forward: KernelConfig, device) -> KernelConfig:
+    """The config of a top-k call's backward kernels: the threshold kernels' (attngen.kernels.topk.
+    threshold_config), for both kernels' tiles, with the scores computed in the forward's
+    orientation, so that every score comes out bit for bit as the forward and the thresholds saw it."""
+    return threshold_config(forward, device, TopkTuning())
+
+
+def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, config: KernelConfig,
+             forward: KernelConfig | None = None, dropout_p: float = 0.0, seed: int = 0):
+    """(dq, dk, dv) of one call from its forward's output, LSE (natural log, (B, Hq, Sq) fp32,
+    contiguous) and top-k thresholds (`thr`: None, or the forward's 2 * B * H * Sq floats), the
+    gradient of the output `dout` and of the LSE `dlse` (None where the LSE is not used).
+    `forward`: the forward's config, for top-k calls (see topk_config); `dropout_p` and `seed`: the
+    forward's dropout, which the kernels regenerate."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if shape.q_len == 0:
+        return dq, dk.zero_(), dv.zero_()
+    for launch in backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale, config,
+                                    forward, dropout_p, seed):
+        launch()
+    return dq, dk, dv
+
+
+def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale: float,
+                      config: KernelConfig, forward: KernelConfig | None = None, dropout_p: float = 0.0,
+                      seed: int = 0) -> list[Launch]:
+    """The three launches of `backward`, in order, writing into dq, dk and dv."""
+    bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                        device=q.device)
+    module = module_for(TEMPLATE, mask)
+    rows = shape.batch * shape.heads
+    delta = torch.empty(rows * shape.q_len, dtype=torch.float32, device=q.device)
+
+    # each row's delta
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else delta
+    preprocess = Launch(module.attention_bwd_preprocess, (math.ceil(shape.q_len / PREPROCESS_ROWS), rows),
+                        dict(tensor_args("o", out, "bhmd"), **tensor_args("do", dout, "bhmd"), DLSE=dlse, DELTA=delta,
+                             stride_lb=dlse.stride(0) if has_dlse else 0, stride_lh=dlse.stride(1) if has_dlse else 0,
+                             heads=shape.heads, q_len=shape.q_len),
+                        dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=PREPROCESS_ROWS,
+                             HAS_DLSE=has_dlse, num_warps=4))
+
+    topk = thr is not None
+    if topk:
+        config = topk_config(forward, q.device)
+        (bm1, bn1), (bm2, bn2) = (config.block_m, config.block_n), (config.block_m, config.block_n)
+    else:
+        (bm1, bn1), (bm2, bn2) = tiles(config)
+    call = dict(tensor_args("q", q, "bhmd"), **tensor_args("k", k, "bhnd"), **tensor_args("v", v, "bhnd"),
+                **tensor_args("do", dout, "bhmd"), LSE=lse, DELTA=delta, THR=thr if topk else delta,
+                **dims(shape, scale), seed=seed, dropout_p=dropout_p, **mask_args(bound))
+    options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), DOT_PRECISION=dot_precision(q.dtype),
+                   TOPK=topk, DROPOUT=dropout_p > 0, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    # dK and dV: a program per key block and key/value head
+    by_key = masks_.block_structure(mask, shape.q_len, shape.kv_len, (bm1, bn1), batch=shape.batch,
+                                    heads=shape.heads, device=q.device, bound=bound, by_key=True)
+    dkdv = Launch(module.attention_bwd_dkdv, (math.ceil(shape.kv_len / bn1), shape.batch * shape.kv_heads),
+                  dict(call, **tensor_args("dk", dk, "bhnd"), **tensor_args("dv", dv, "bhnd"), **structure_args(by_key)),
+                  dict(options, BLOCK_M=bm1, BLOCK_N=bn1, CONTIGUOUS=by_key.contiguous, FWD_ORIENT=topk))
+
+    # dQ: a program per query block and head
+    by_query = masks_.block_structure(mask, shape.q_len, shape.kv_len, (bm2, bn2), batch=shape.batch,
+                                      heads=shape.heads, device=q.device, bound=bound)
+    dq_launch = Launch(module.attention_bwd_dq, (math.ceil(shape.q_len / bm2), rows),
+                       dict(call, **tensor_args("dq", dq, "bhmd"), **structure_args(by_query)),
+                       dict(options, BLOCK_M=bm2, BLOCK_N=bn2, CONTIGUOUS=by_query.contiguous))
+    return [preprocess, dkdv, dq_launch]

@@ -1,0 +1,192 @@
+"""What every kernel family shares on the Python side.
+
+- `render_kernel` / `module_for`: a kernel template (`templates/kernels/<name>.py.jinja`) rendered
+  for a mask variant and imported from the kernel cache, once per process.
+- The tensors' launch properties: TMA eligibility, Triton's allocator, the dot precision.
+- Kernel arguments by name, in groups (`qk_args`, `structure_args`, `dims`, `mask_args`).
+- `Launch`: one kernel launch prepared once, every argument named and checked against the
+  kernel's signature; a call passes only what changes (the tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import masks as masks_
+from ..checks import interpreter_on
+from ..paths import data_dir
+from ..render import load_module, render
+
+
+# ---------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------
+def kernel_templates() -> list[str]:
+    """The names of the kernel templates (`templates/kernels/<name>.py.jinja`)."""
+    return sorted(p.name.removesuffix(".py.jinja") for p in (data_dir("templates") / "kernels").glob("*.py.jinja"))
+
+
+def render_kernel(template: str, mask: masks_.Mask | None) -> str:
+    """The exact source of kernel template `template` for `mask`'s variant."""
+    visible, mods = masks_.triton_sources(mask)
+    return render(f"kernels/{template}.py.jinja", variant=mask.variant if mask is not None else "none",
+                  visible=visible, mods=mods, mod_grads=lambda: list(zip(mods, masks_.triton_score_grads(mask))),
+                  mask_args="".join(f", {p}" for p in masks_.kernel_params(mask)),
+                  no_specialize="".join(f', "{s}"' for s in masks_.scalar_params(mask)))
+
+
+_MODULES: dict = {}
+
+
+def module_for(template: str, mask: masks_.Mask | None):
+    """The rendered module of `template` for `mask`'s variant, imported once per process."""
+    key = (template, None if mask is None else mask.key)
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES[key] = load_module(render_kernel(template, mask))
+    return module
+
+
+# ---------------------------------------------------------------------------------------
+# launch properties of the tensors
+# ---------------------------------------------------------------------------------------
+def tma_eligible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need a unit last stride and 16-byte aligned base and strides."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """The per-call half of tma_eligible: 16-byte aligned base pointers (strides are fixed per plan)."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return bits % 16 == 0
+
+
+def ensure_allocator():
+    """In-kernel tensor descriptors need scratch memory from a Triton allocator.
+
+    Triton keeps the allocator in a ContextVar, so every thread needs its own: set one where the
+    current thread has none (never replacing an allocator the user set).
+    """
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        device = "cpu" if interpreter_on() else "cuda"
+        _allocation.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    if dtype is not torch.float32:
+        return "tf32"  # fp16 / bf16 operands ignore it
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not interpreter_on() else "ieee"
+
+
+# ---------------------------------------------------------------------------------------
+# kernel arguments by name
+# ---------------------------------------------------------------------------------------
+def strides3(t: torch.Tensor) -> list[int]:
+    """The strides of a (B, H, M[, N]) tensor's first three dims, 0 where the dim is shared (size 1)."""
+    return [0 if t.shape[i] == 1 else t.stride(i) for i in range(3)]
+
+
+def tensor_args(name: str, t: torch.Tensor, dims: str) -> dict:
+    """{NAME: t, stride_<n><d>: ...} for a tensor whose dims are named by the letters of `dims`:
+    tensor_args("q", q, "bhmd") gives Q, stride_qb, stride_qh, stride_qm, stride_qd."""
+    keys = _tensor_keys(name, dims)
+    out = dict(zip(keys[1:], t.stride()))
+    out[keys[0]] = t
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_keys(name: str, dims: str) -> tuple[str, ...]:
+    return (name.upper(), *(f"stride_{name}{letter}" for letter in dims))
+
+
+def qk_args(q: torch.Tensor, k: torch.Tensor) -> dict:
+    return {**tensor_args("q", q, "bhmd"), **tensor_args("k", k, "bhnd")}
+
+
+def structure_args(structure: masks_.BlockStructure) -> dict:
+    """The block structure's four tensors and their strides (counts: c, index lists: i)."""
+    sc, si = strides3(structure.full_num), strides3(structure.full_idx)
+    return dict(FULL_NUM=structure.full_num, FULL_IDX=structure.full_idx, PART_NUM=structure.partial_num,
+                PART_IDX=structure.partial_idx, stride_cb=sc[0], stride_ch=sc[1], stride_cm=sc[2],
+                stride_ib=si[0], stride_ih=si[1], stride_im=si[2])
+
+
+def dims(shape, scale: float) -> dict:
+    """The call's sizes and softmax scale, run-time arguments of every kernel."""
+    return dict(batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len, group=shape.group,
+                sm_scale=scale)
+
+
+def mask_args(bound: masks_.Bound | None) -> dict:
+    """The mask's run-time parameters by their kernel argument names."""
+    if bound is None:
+        return {}
+    return dict(zip(masks_.kernel_params(bound.mask), bound.kernel_args))
+
+
+_NAMES: dict = {}  # (kernel, compile-time names) -> its run-time argument names, in order
+
+
+def _run_time_names(kernel, options: dict) -> list[str]:
+    """The kernel's arguments that `options` does not set, in signature order (cached: the checked
+    path builds a Launch every call)."""
+    key = (kernel, tuple(options))
+    names = _NAMES.get(key)
+    if names is None:
+        names = _NAMES[key] = [n for n in kernel.arg_names if n not in options]
+    return names
+
+
+class Launch:
+    """One kernel launch prepared once: the kernel, its grid, every argument by name and the compile
+    options. The names are checked against the kernel's signature when the launch is built, so a
+    missing or misspelt argument fails here and not inside Triton."""
+
+    def __init__(self, kernel, grid: tuple, args: dict, options: dict):
+        names = _run_time_names(kernel, options)
+        try:
+            values = [args[n] for n in names]
+        except KeyError:
+            values = None
+        if values is None or len(args) != len(names):  # every argument once, and nothing else
+            missing = [n for n in names if n not in args]
+            unknown = sorted(set(args) - set(names))
+            raise TypeError(f"launch of {getattr(kernel, '__name__', kernel)}: missing arguments {missing}, "
+                            f"unknown arguments {unknown}")
+        self.kernel, self.grid, self.options = kernel, grid, options
+        self.names, self.values = names, values
+        self._launch = kernel[grid]
+
+    def __call__(self, options: dict | None = None, **changed) -> None:
+        """Launch, with the arguments in `changed` replaced and `options` instead of the built ones."""
+        values = self.values
+        if changed:
+            values = [changed.get(n, v) for n, v in zip(self.names, values)]
+        self._launch(*values, **(self.options if options is None else options))
+
+    def runner(self, *names: str):
+        """A function run(*values, options=None) that launches with those arguments replaced, in the
+        order of `names`: the per-call path, without a dict per call."""
+        slots = [self.names.index(n) for n in names]
+        base, launch, default = self.values, self._launch, self.options
+
+        def run(*values, options=None):
+            args = list(base)
+            for slot, value in zip(slots, values):
+                args[slot] = value
+            launch(*args, **(default if options is None else options))
+
+        return run
