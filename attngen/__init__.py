@@ -6,13 +6,15 @@
     out = attngen.attention(q, k, v, mask=attngen.block_sparse(layout, (128, 128)), topk=64)
 """
 
-__version__ = "0.1.0"
-
-from . import layouts, reference  # noqa: E402
-from .dispatch import attention, explain, use_registry  # noqa: E402
-from .layouts import block_sparse  # noqa: E402
+from .version import __version__
+from . import reference  # noqa: E402
+from .api import attention  # noqa: E402
+from .dispatch import explain, use_registry  # noqa: E402
+from .kernels.forward import dropout_mask  # noqa: E402
 from .masks import Mask, mask, register_template_dir, templates  # noqa: E402
+from .masks import layouts  # noqa: E402
+from .masks.layouts import block_sparse  # noqa: E402
 from .render import TemplateError  # noqa: E402
 
-__all__ = ["attention", "explain", "use_registry", "mask", "Mask", "block_sparse", "layouts", "register_template_dir",
-           "templates", "reference", "TemplateError", "__version__"]
+__all__ = ["attention", "explain", "use_registry", "dropout_mask", "mask", "Mask", "block_sparse", "layouts",
+           "register_template_dir", "templates", "reference", "TemplateError", "__version__"]

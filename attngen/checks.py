@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .dtypes import SUPPORTED as SUPPORTED_DTYPES
+
 MAX_HEAD_DIM = 256
 MAX_TOPK = 1024
 
@@ -127,3 +128,18 @@ def check_scale(scale, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     return float(scale)
+
+
+def check_dropout(dropout_p) -> float:
+    """The dropout probability as a float in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def draw_seed() -> int:
+    """A dropout seed from torch's default (CPU) generator: torch.manual_seed reproduces it, and no
+    device is synchronised."""
+    return int(torch.randint(0, 2**31 - 1, (1,)))

@@ -15,11 +15,13 @@ def _add_mask_option(parser: argparse.ArgumentParser):
 
 
 def cmd_render(args) -> int:
-    from .kernels.forward import render_source
+    from .kernels.launch import kernel_templates, render_kernel
     from .render import source_path
 
+    if args.template not in kernel_templates():
+        raise ValueError(f"--template must be one of {', '.join(kernel_templates())}, got {args.template!r}")
     mask = masks_.parse_spec(args.mask, partial=True)
-    source = render_source(mask)
+    source = render_kernel(args.template, mask)
     sys.stdout.write(source)
     print(f"# cached as {source_path(source)}", file=sys.stderr)
     return 0
@@ -37,20 +39,20 @@ def cmd_masks(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from . import tune
+    from .tuning import tune
 
     tune.fill_defaults(args)
     return tune.main(args)
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from .tools import bench
 
     return bench.main(args)
 
 
 def cmd_profile(args) -> int:
-    from . import profile
+    from .tools import profile
 
     return profile.main(args)
 
@@ -58,8 +60,9 @@ def cmd_profile(args) -> int:
 def cmd_registry(args) -> int:
     import torch
 
-    from . import dispatch, registry
+    from . import dispatch
     from .checks import interpreter_on
+    from .tuning import registry
 
     if args.gpu:
         gpu = args.gpu
@@ -76,14 +79,11 @@ def cmd_registry(args) -> int:
             count = f"{len(source.entries)} entries" if source else "no file"
             print(f"{file}: {count}")
         return 0
-    rows = [("source", "variant", "dir", "dtype", "D", "bucket", "group", "config", "ms", "TFLOP/s", "SDPA ms",
+    rows = [("source", "variant", "kernel", "dtype", "D", "bucket", "group", "config", "ms", "TFLOP/s", "SDPA ms",
              "speedup", "trials", "date")]
     for path, e in reg.entries():
-        c = e.config
-        rows.append((str(path), e.key.variant, e.key.direction, e.key.dtype, e.key.head_dim, e.key.seq_bucket,
-                     e.key.group, f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
-                     f"{' tma' if c['use_tma'] else ''}{' ws' if c['warp_specialize'] else ''}",
-                     f"{e.ms:.4f}", f"{e.tflops:.1f}", f"{e.sdpa_ms:.4f}" if e.sdpa_ms else "n/a",
+        rows.append((str(path), e.key.variant, e.key.kernel, e.key.dtype, e.key.head_dim, e.key.seq_bucket,
+                     e.key.group, str(e.kernel_config()), f"{e.ms:.4f}", f"{e.tflops:.1f}", f"{e.sdpa_ms:.4f}" if e.sdpa_ms else "n/a",
                      f"{e.sdpa_ms / e.ms:.2f}x" if e.sdpa_ms else "n/a", e.trials, e.date))
     if len(rows) == 1:
         print(f"no registry entries for gpu {gpu!r} in {', '.join(map(str, paths))}")
@@ -104,16 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     render = sub.add_parser("render", help="print the exact kernel source a call with this mask runs",
-                            description="Print the Triton source of the forward kernel for a mask variant "
+                            description="Print the Triton source of a kernel template for a mask variant "
                                         "(the file in the kernel cache is named on stderr).")
     _add_mask_option(render)
+    render.add_argument("--template", default="forward",
+                        help="the kernel template (templates/kernels/NAME.py.jinja): forward (default) or topk, "
+                             "the threshold kernels of top-k softmax")
     render.set_defaults(run=cmd_render)
 
     masks = sub.add_parser("masks", help="list the mask and score templates with their parameters",
                            description="List every mask and score template attngen can see.")
     masks.set_defaults(run=cmd_masks)
 
-    from .tune import add_arguments
+    from .tuning.tune import add_arguments
 
     tune = sub.add_parser("tune", help="search kernel configs with Optuna on this GPU and record the winners",
                           description="Tune the kernel for a mask over a matrix of dtypes, head dims and sequence "
@@ -122,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(tune)
     tune.set_defaults(run=cmd_tune)
 
-    from . import bench, profile
+    from .tools import bench, profile
 
     bench_parser = sub.add_parser(
         "bench", help="time every way to compute attention (naive, torch.compile, SDPA, FlexAttention, attngen)",

@@ -18,13 +18,17 @@ class KernelConfig:
     use_tma: bool = False
     warp_specialize: bool = False
 
-    def shared_memory(self, head_dim: int, elem_bytes: int) -> int:
-        """Estimated shared memory in bytes: the pipelined K and V tiles plus the Q tile."""
+    def shared_memory(self, head_dim: int, elem_bytes: int, kernel: str = "fwd") -> int:
+        """Estimated shared memory in bytes of kernel family `kernel` at this config: the forward's
+        pipelined K and V tiles plus its Q tile; the backward's pipelined pair of streamed tiles
+        (Q and dO in dK/dV, K and V in dQ: block_m rows each) plus the pair it holds (block_n rows)."""
         block_d = block_d_for(head_dim)
-        kv = 2 * self.block_n * block_d * elem_bytes * max(1, self.num_stages)
-        return kv + self.block_m * block_d * elem_bytes
+        stages = max(1, self.num_stages)
+        if kernel == "bwd":
+            return 2 * block_d * elem_bytes * (self.block_m * stages + self.block_n)
+        return 2 * self.block_n * block_d * elem_bytes * stages + self.block_m * block_d * elem_bytes
 
-    def problems(self, head_dim: int, elem_bytes: int, smem_limit: int | None = None) -> list[str]:
+    def problems(self, head_dim: int, elem_bytes: int, smem_limit: int | None = None, kernel: str = "fwd") -> list[str]:
         """Why this config cannot run (empty when it can); checked before anything is compiled."""
         out = []
         for name in ("block_m", "block_n"):
@@ -36,7 +40,7 @@ class KernelConfig:
         if self.num_stages < 1:
             out.append(f"num_stages={self.num_stages} must be >= 1")
         if smem_limit is not None:
-            need = self.shared_memory(head_dim, elem_bytes)
+            need = self.shared_memory(head_dim, elem_bytes, kernel)
             if need > smem_limit:
                 out.append(f"needs about {need} bytes of shared memory, the device has {smem_limit}")
         return out
@@ -44,35 +48,65 @@ class KernelConfig:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def __str__(self) -> str:
+        """How attngen shows a config everywhere: `128x64 w4 s2 tma ws` (tiles, warps, stages, then
+        `tma` and `ws` where tensor-descriptor loads and warp specialization are on)."""
+        flags = (" tma" if self.use_tma else "") + (" ws" if self.warp_specialize else "")
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
+
 
 def block_d_for(head_dim: int) -> int:
     """The head dimension padded to a power of two (and at least 16, the smallest tl.dot)."""
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-# Fallback configs: architecture -> [(largest head dim, config)], first fit wins.
-# sm90: the configs `attngen tune` picked most often on an H200 (2026-11-29, triton 3.6,
-# benchmarks/RESULTS.md): 128x64, 8 warps, 3 stages for D <= 64; 128x64, 4 warps, 2 stages with
-# TMA for D <= 128. D > 128 was not measured. The other rows are untuned starting points.
-DEFAULTS: dict[str, list[tuple[int, KernelConfig]]] = {
-    "sm90": [
-        (64, KernelConfig(128, 64, 8, 3)),
-        (128, KernelConfig(128, 64, 4, 2, use_tma=True)),
-        (256, KernelConfig(64, 64, 4, 2, use_tma=True)),
-    ],
-    "sm80": [
-        (64, KernelConfig(128, 64, 4, 3)),
-        (128, KernelConfig(128, 64, 8, 2)),
-        (256, KernelConfig(64, 32, 4, 2)),
-    ],
-    "generic": [
-        (128, KernelConfig(64, 64, 4, 2)),
-        (256, KernelConfig(32, 32, 4, 1)),
-    ],
-    # Triton's interpreter on the CPU: big tiles mean fewer (slow) Python-level steps
-    "interpreter": [
-        (256, KernelConfig(64, 32, 4, 1)),
-    ],
+# Fallback configs when the registry has nothing for a call: kernel family -> architecture ->
+# [(largest head dim, config)], first fit wins. sm90 forward: the configs `attngen tune` picked most
+# often on an H200 (triton 3.6; benchmarks/RESULTS.md): 128x64, 8 warps, 3 stages for D <= 64;
+# 128x64, 4 warps, 2 stages with TMA for D <= 128. D > 128 and the other rows are untuned starting
+# points. Top-k calls take the forward row too; their threshold kernels may run at tiles of their
+# own (attngen.kernels.topk.threshold_config).
+DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
+    "fwd": {
+        "sm90": [
+            (64, KernelConfig(128, 64, 8, 3)),
+            (128, KernelConfig(128, 64, 4, 2, use_tma=True)),
+            (256, KernelConfig(64, 64, 4, 2, use_tma=True)),
+        ],
+        "sm80": [
+            (64, KernelConfig(128, 64, 4, 3)),
+            (128, KernelConfig(128, 64, 8, 2)),
+            (256, KernelConfig(64, 32, 4, 2)),
+        ],
+        "generic": [
+            (128, KernelConfig(64, 64, 4, 2)),
+            (256, KernelConfig(32, 32, 4, 1)),
+        ],
+        # Triton's interpreter on the CPU: big tiles mean fewer (slow) Python-level steps
+        "interpreter": [
+            (256, KernelConfig(64, 32, 4, 1)),
+        ],
+    },
+    # backward: dK/dV runs (block_m, block_n) tiles, dQ (block_n, block_m) (attngen.kernels.backward.tiles).
+    # sm90 D <= 128: the fastest of benchmarks/bwd_configs.py's configs on an H200 (bf16, B=4 H=16
+    # S=4096, dense and causal; benchmarks/RESULTS.md); the other rows are untuned starting points
+    "bwd": {
+        "sm90": [
+            (128, KernelConfig(64, 128, 8, 3)),
+            (256, KernelConfig(16, 64, 4, 2)),
+        ],
+        "sm80": [
+            (128, KernelConfig(32, 128, 4, 3)),
+            (256, KernelConfig(16, 64, 4, 2)),
+        ],
+        "generic": [
+            (128, KernelConfig(32, 64, 4, 2)),
+            (256, KernelConfig(16, 32, 4, 1)),
+        ],
+        "interpreter": [
+            (256, KernelConfig(32, 64, 4, 1)),
+        ],
+    },
 }
 
 
@@ -91,15 +125,15 @@ def arch_of(device) -> str:
     return "generic"
 
 
-def default_entry(arch: str, head_dim: int) -> tuple[KernelConfig, str]:
-    """The fallback config of an architecture for a head dim, and which row of DEFAULTS it is.
-    Top-k calls take it too: on Hopper their threshold kernels run at tiles of their own
-    (attngen.kernels.forward.threshold_config)."""
-    for max_d, config in DEFAULTS.get(arch, DEFAULTS["generic"]):
+def default_entry(kernel: str, arch: str, head_dim: int) -> tuple[KernelConfig, str]:
+    """The fallback config of a kernel family on an architecture for a head dim, and which row of
+    DEFAULTS it is."""
+    table = DEFAULTS[kernel]
+    for max_d, config in table.get(arch, table["generic"]):
         if head_dim <= max_d:
-            return config, f"default config for {arch}, head dim <= {max_d}"
-    raise ValueError(f"no default config for head dim {head_dim}")
+            return config, f"default {kernel} config for {arch}, head dim <= {max_d}"
+    raise ValueError(f"no default {kernel} config for head dim {head_dim}")
 
 
-def default_config(arch: str, head_dim: int) -> KernelConfig:
-    return default_entry(arch, head_dim)[0]
+def default_config(kernel: str, arch: str, head_dim: int) -> KernelConfig:
+    return default_entry(kernel, arch, head_dim)[0]

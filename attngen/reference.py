@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import masks as masks_
-from .checks import check_qkv, check_scale, check_topk
+from .checks import check_dropout, check_qkv, check_scale, check_topk
 
 # Largest relative norm error ||out - ref|| / ||ref|| a kernel may show, by input dtype. The tests
 # and the tuner's correctness gate both use this table.
@@ -20,13 +20,16 @@ TOLERANCE = {
 }
 
 
-def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None):
+def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dropout_p=0.0, dropout_mask=None):
     """Same signature as `attngen.attention`; computes in float64 and returns float64 tensors.
 
     A row whose every key the mask hides gets output 0 and LSE -inf. With `topk`, a row's softmax
     runs over the scores (after score modifiers) that are >= its topk-th largest visible score:
     the topk largest, and every other score equal to the topk-th (ties are all kept). A row that
-    sees fewer than topk keys keeps them all.
+    sees fewer than topk keys keeps them all. With `dropout_p` > 0, `dropout_mask` (bool, (B, Hq,
+    Sq, Sk), True where a weight is kept; attngen.dropout_mask gives the one a call used) zeroes the
+    dropped weights and the rest are scaled by 1 / (1 - dropout_p); the LSE is that of the weights
+    before dropout.
     """
     shape = check_qkv(q, k, v, kernel=False)
     scale = check_scale(scale, shape.head_dim)
@@ -44,7 +47,7 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None):
         env = masks_.index_env(torch.arange(shape.q_len, device=device), torch.arange(shape.kv_len, device=device),
                                q_len=shape.q_len, kv_len=shape.kv_len, batch=shape.batch, heads=shape.heads)
         if mask.mods:
-            score = masks_.apply_score_mods(bound, score, env)
+            score = masks_.score_fn(bound)(score, env)
         if mask.tree is not None:
             visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=device)
             score = score.masked_fill(~visible.expand_as(score), float("-inf"))
@@ -55,6 +58,11 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None):
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # empty rows
     weights = torch.exp(score - row_max)
     total = weights.sum(dim=-1, keepdim=True)
+    dropout_p = check_dropout(dropout_p)
+    if dropout_p > 0:
+        if dropout_mask is None:
+            raise ValueError("dropout_p > 0 needs the dropout_mask to apply (attngen.dropout_mask gives a call's)")
+        weights = weights * dropout_mask.to(weights.device) / (1.0 - dropout_p)
     out = torch.matmul(weights, v64) / torch.where(total == 0, torch.ones_like(total), total)
     if not return_lse:
         return out

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__
 from .paths import cache_dir, data_dir
+from .version import __version__
 
 
 class TemplateError(Exception):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench
+from . import bench, methods
 
 EXAMPLES = """\
 examples:
@@ -27,7 +27,7 @@ examples:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--method", default="attngen", help=f"one of {', '.join(bench.METHODS)} (default attngen)")
+    parser.add_argument("--method", default="attngen", help=f"one of {', '.join(methods.METHODS)} (default attngen)")
     bench.add_common_arguments(parser, many=False)
     parser.add_argument("--steps", type=int, default=5, help="calls recorded (default 5)")
     parser.add_argument("--row-limit", type=int, default=20, help="rows of each table (default 20)")
@@ -40,17 +40,17 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     """Run `attngen profile` with parsed arguments (see attngen.cli)."""
     method = args.method
-    if method not in bench.METHODS:
-        raise ValueError(f"--method: unknown method {method!r}; valid: {', '.join(bench.METHODS)}")
+    if method not in methods.METHODS:
+        raise ValueError(f"--method: unknown method {method!r}; valid: {', '.join(methods.METHODS)}")
     if args.steps < 1 or args.row_limit < 1:
         raise ValueError(f"--steps and --row-limit must be >= 1, got {args.steps} and {args.row_limit}")
     b, h, s, d = bench.parse_shape(args.shape, args.interpret)
-    case = bench.Case(b, h, s, d, bench.parse_dtype(args.dtype), args.mask, args.bwd)
+    case = methods.Case(b, h, s, d, bench.parse_dtype(args.dtype), args.mask, args.bwd)
     device = bench.setup_device(args.interpret, "profile")
     cuda = device.type == "cuda"
-    p = bench.make_inputs(case, device)
+    p = methods.make_inputs(case, device)
     try:
-        fn, note = bench.build(method, p)
+        fn, note = methods.build(method, p)
         for _ in range(2):  # warm-up: compilation and caches stay out of the profile
             fn()
     except Exception as e:

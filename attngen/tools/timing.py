@@ -12,7 +12,9 @@ import time
 
 import torch
 
-from . import masks as masks_
+from .. import masks as masks_
+
+BWD_FACTOR = 2.5  # backward FLOPs per forward FLOP (FlashAttention's convention: 5 matmuls against 2)
 
 
 def visible_pairs(mask, batch: int, heads: int, q_len: int, kv_len: int, device, chunk: int = 1024) -> int:

@@ -2,7 +2,9 @@
 
 Two places hold registry files in the one format: the user's own folder (`user_dir()`, written by
 `attngen tune`) and the folder shipped in the package (`shipped_dir()`). A `Registry` reads the
-user's file first, then the shipped one, and says which entry it used and why.
+user's file first, then the shipped one, and says which entry it used and why. An entry's key
+names its kernel family (`kernel: fwd`); files of schema version 1, which called it `direction`,
+are read as they are and written back as version 2.
 
 Reading never raises for bad content: a broken file or entry gives a `RegistryWarning` and is
 skipped. Writing merges under an exclusive lock and replaces the file atomically, so concurrent
@@ -25,18 +27,19 @@ from pathlib import Path
 
 import yaml
 
-from .config import KernelConfig
-from .paths import data_dir
+from ..checks import topk_pad
+from ..config import KernelConfig
+from ..dtypes import BYTES as DTYPE_BYTES
+from ..paths import data_dir, user_registry_dir
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)  # version 1 named the kernel family `direction`
 INTERPRETER = "interpreter"  # the gpu key of Triton's CPU interpreter
 
-DIRECTIONS = ("fwd", "bwd")
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 # the fields of attngen.config.KernelConfig, with the YAML type each must have
 CONFIG_FIELDS = {"block_m": int, "block_n": int, "num_warps": int, "num_stages": int,
                  "use_tma": bool, "warp_specialize": bool}
-KEY_FIELDS = ("variant", "direction", "dtype", "head_dim", "seq_bucket", "group")
+KEY_FIELDS = ("variant", "kernel", "dtype", "head_dim", "seq_bucket", "group")
 ENTRY_FIELDS = KEY_FIELDS + ("config", "ms", "tflops", "sdpa_ms", "trials", "triton", "torch", "date")
 FILE_FIELDS = ("version", "gpu", "device_name", "entries")
 
@@ -65,6 +68,16 @@ def gpu_key(device_name: str) -> str:
     return key
 
 
+def variant_of(mask, topk: int = 0) -> str:
+    """The registry's name of a kernel variant: the mask's variant ("none" without a mask), plus
+    `topk(<K rounded up to a power of two>)` for top-k (topk as check_topk returns it)."""
+    base = mask.variant if mask is not None else "none"
+    if not topk:
+        return base
+    pad = topk_pad(topk)
+    return f"topk({pad})" if mask is None else f"{base} & topk({pad})"
+
+
 def seq_bucket(n: int) -> int:
     """The sequence-length bucket of `n`: the power of two >= n, at least 16."""
     if n < 0:
@@ -73,11 +86,9 @@ def seq_bucket(n: int) -> int:
 
 
 def user_dir() -> Path:
-    """ATTNGEN_USER_REGISTRY, else $XDG_CONFIG_HOME/attngen/tuned, else ~/.config/attngen/tuned."""
-    if os.environ.get("ATTNGEN_USER_REGISTRY"):
-        return Path(os.environ["ATTNGEN_USER_REGISTRY"])
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "attngen" / "tuned"
+    """The user registry: ATTNGEN_USER_REGISTRY, else $XDG_CONFIG_HOME/attngen/tuned, else
+    ~/.config/attngen/tuned."""
+    return user_registry_dir()
 
 
 def shipped_dir() -> Path:
@@ -105,7 +116,7 @@ def _is_block(value) -> bool:
 class EntryKey:
     """What a tuned config was tuned for; `seq_bucket` is `seq_bucket(kv_len)` (the tuner runs Sq = Sk)."""
     variant: str  # the mask variant's text, "none" without a mask
-    direction: str  # "fwd" or "bwd"
+    kernel: str  # the kernel family (attngen.families), e.g. "fwd"
     dtype: str  # "fp16", "bf16" or "fp32"
     head_dim: int
     seq_bucket: int
@@ -115,8 +126,8 @@ class EntryKey:
         problems = []
         if not isinstance(self.variant, str) or not self.variant:
             problems.append(f"variant={self.variant!r} must be a non-empty string")
-        if self.direction not in DIRECTIONS:
-            problems.append(f"direction={self.direction!r} must be one of {', '.join(DIRECTIONS)}")
+        if not isinstance(self.kernel, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.kernel):
+            problems.append(f"kernel={self.kernel!r} must be a kernel family name such as 'fwd'")
         if self.dtype not in DTYPE_BYTES:
             problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_BYTES)}")
         if not (_is_int(self.head_dim) and self.head_dim >= 1):
@@ -129,12 +140,12 @@ class EntryKey:
             raise ValueError("; ".join(problems))
 
     def sort_key(self) -> tuple:
-        """File order: all buckets of one (variant, direction, dtype, head dim, group) together."""
-        return (self.variant, self.direction, self.dtype, self.head_dim, self.group, self.seq_bucket)
+        """File order: all buckets of one (variant, kernel, dtype, head dim, group) together."""
+        return (self.variant, self.kernel, self.dtype, self.head_dim, self.group, self.seq_bucket)
 
-    def family(self) -> tuple:
+    def without_bucket(self) -> tuple:
         """Everything but the sequence bucket: the entries a nearest-bucket lookup may use."""
-        return (self.variant, self.direction, self.dtype, self.head_dim, self.group)
+        return (self.variant, self.kernel, self.dtype, self.head_dim, self.group)
 
 
 @dataclass
@@ -214,10 +225,12 @@ def _is_iso_date(value) -> bool:
         return False
 
 
-def _entry_from_mapping(raw) -> Entry:
-    """Parse one entry of a file; ValueError says what is wrong."""
+def _entry_from_mapping(raw, version: int = SCHEMA_VERSION) -> Entry:
+    """Parse one entry of a file of schema `version`; ValueError says what is wrong."""
     if not isinstance(raw, dict):
         raise ValueError(f"must be a mapping, got {type(raw).__name__}")
+    if version == 1 and "direction" in raw and "kernel" not in raw:
+        raw = {("kernel" if name == "direction" else name): value for name, value in raw.items()}
     missing = [name for name in ENTRY_FIELDS if name not in raw]
     unknown = [str(name) for name in raw if name not in ENTRY_FIELDS]
     if missing or unknown:
@@ -281,8 +294,8 @@ def _read(path: Path, skipped: list[int] | None = None) -> tuple[RegistryFile | 
         return None, f"the top level must be a mapping with {', '.join(FILE_FIELDS)}, got {type(data).__name__}"
     if "version" not in data:
         return None, "it has no version"
-    if data["version"] != SCHEMA_VERSION:
-        return None, f"version {data['version']!r}, this attngen reads version {SCHEMA_VERSION}"
+    if data["version"] not in READ_VERSIONS:
+        return None, f"version {data['version']!r}, this attngen reads versions {', '.join(map(str, READ_VERSIONS))}"
     unknown = [str(name) for name in data if name not in FILE_FIELDS]
     if unknown:
         return None, f"unknown top-level fields {', '.join(unknown)}"
@@ -298,7 +311,7 @@ def _read(path: Path, skipped: list[int] | None = None) -> tuple[RegistryFile | 
     first_index = {}
     for index, raw in enumerate(data["entries"]):
         try:
-            entry = _entry_from_mapping(raw)
+            entry = _entry_from_mapping(raw, data["version"])
         except (TypeError, ValueError) as e:
             _warn(f"skipping {_describe(index, raw)} of registry {path}: {e}")
             if skipped is not None:
@@ -393,10 +406,10 @@ class Registry:
 
     def __init__(self, sources: list[RegistryFile]):
         self.sources = list(sources)
-        self._families: dict[tuple, list[tuple[int, Entry]]] = {}
+        self._buckets: dict[tuple, list[tuple[int, Entry]]] = {}
         for rank, source in enumerate(self.sources):
             for entry in source.entries.values():
-                self._families.setdefault(entry.key.family(), []).append((rank, entry))
+                self._buckets.setdefault(entry.key.without_bucket(), []).append((rank, entry))
 
     @classmethod
     def load(cls, paths: list[Path], gpu: str) -> Registry:
@@ -418,13 +431,13 @@ class Registry:
         """The entry for `key` and why it was chosen; None when no entry fits.
 
         An exact entry wins (the first source that has one); otherwise the nearest sequence bucket
-        of the same variant, direction, dtype, head dim and group: nearest in log2 distance, then
+        of the same variant, kernel, dtype, head dim and group: nearest in log2 distance, then
         the earlier source, then the larger bucket.
         """
         for source in self.sources:
             if key in source.entries:
                 return source.entries[key], f"exact entry in {source.path}"
-        candidates = self._families.get(key.family())
+        candidates = self._buckets.get(key.without_bucket())
         if not candidates:
             return None
         want = key.seq_bucket.bit_length()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import KernelConfig, block_d_for
-from .expr import Expr, ExprError
-from .paths import data_dir
+from ..config import KernelConfig, block_d_for
+from ..expr import Expr, ExprError
+from ..paths import data_dir
 
 TUNABLES = tuple(f.name for f in fields(KernelConfig))
 CONSTRAINT_NAMES = set(TUNABLES) | {"head_dim", "block_d", "elem_bytes", "seq_len", "topk_pad"}
@@ -28,8 +28,7 @@ class Constraint:
 @dataclass(frozen=True)
 class SearchSpace:
     path: Path
-    template: str
-    direction: str
+    kernel: str  # the kernel family it is for (attngen.families)
     values: dict  # arch -> {tunable: [values]}
     constraints: tuple[Constraint, ...]
 
@@ -60,11 +59,11 @@ def load_space(path) -> SearchSpace:
     except (OSError, yaml.YAMLError) as e:
         raise SpaceError(f"{path}: cannot read search space: {e}") from None
     if not isinstance(data, dict):
-        raise SpaceError(f"{path}: a search space is a mapping with template, direction, arch, constraints")
-    unknown = set(data) - {"template", "direction", "arch", "constraints"}
+        raise SpaceError(f"{path}: a search space is a mapping with kernel, arch, constraints")
+    unknown = set(data) - {"kernel", "arch", "constraints"}
     if unknown:
         raise SpaceError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
-    for key in ("template", "direction", "arch"):
+    for key in ("kernel", "arch"):
         if key not in data:
             raise SpaceError(f"{path}: missing {key!r}")
     if not isinstance(data["arch"], dict) or not data["arch"]:
@@ -91,22 +90,13 @@ def load_space(path) -> SearchSpace:
             constraints.append(Constraint(Expr(str(item["expr"]), CONSTRAINT_NAMES, {}), str(item["why"])))
         except ExprError as e:
             raise SpaceError(f"{path}: constraint {i}: {e}") from None
-    return SearchSpace(path, data["template"], data["direction"], values, tuple(constraints))
+    return SearchSpace(path, str(data["kernel"]), values, tuple(constraints))
 
 
-def default_space(direction: str = "fwd") -> SearchSpace:
-    names = {"fwd": "forward.yaml"}
-    if direction not in names:
-        raise SpaceError(f"no search space for direction {direction!r} (have {', '.join(names)})")
-    return load_space(data_dir("search_spaces") / names[direction])
-
-
-def find_space(name_or_path: str | None, direction: str = "fwd") -> SearchSpace:
-    """A space by file name in search_spaces/ (`forward_small`), by path, or the direction's default."""
-    if name_or_path is None:
-        return default_space(direction)
+def find_space(name_or_path: str, kernel: str) -> SearchSpace:
+    """A space by file name in search_spaces/ (`forward_small`) or by path, for kernel family `kernel`."""
     shipped = data_dir("search_spaces") / f"{name_or_path}.yaml"
     space = load_space(shipped if shipped.is_file() else Path(name_or_path))
-    if space.direction != direction:
-        raise SpaceError(f"{space.path} is a space for {space.direction!r} kernels, not {direction!r}")
+    if space.kernel != kernel:
+        raise SpaceError(f"{space.path} is a space for {space.kernel!r} kernels, not {kernel!r}")
     return space

@@ -1,31 +1,19 @@
 """`attngen tune`: search kernel configs with Optuna on the target GPU and record the winners.
 
-One Optuna study per problem (mask variant, dtype, head dim, sequence length, batch, heads).
-A trial:
-
-1. suggests a config from the search space (`search_spaces/forward.yaml`);
-2. rejects it before compiling if it breaks a static rule or needs more shared memory than the
-   device has (recorded as an Optuna constraint, so the sampler learns to avoid such points);
-3. compiles it in a child process (several at once: compilation dominates tuning time, and a
-   compiler crash ends only that child), which fills Triton's on-disk cache;
-4. in this process, one trial at a time: runs it, compares with the float64 reference (a wrong
-   result is a failed trial that can never win), and times it with CUDA-event medians on inputs
-   rotated so that they do not sit in the L2. The objective is TFLOP/s.
-
-Studies live in an Optuna storage (default: a journal file under the cache dir), so running the
-same command again resumes them; `--storage postgresql://...` shares them between hosts.
+One Optuna study per problem (kernel family, mask variant, dtype, head dim, sequence length,
+batch, heads); a trial is attngen.tuning.objective's. Studies live in an Optuna storage (default:
+a journal file under the cache dir), so running the same command again resumes them;
+`--storage postgresql://...` shares them between hosts. Each problem's best correct trial is
+written to the registry as soon as its study ends.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import random
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -33,62 +21,17 @@ from pathlib import Path
 
 import torch
 
-from . import masks as masks_
+from ..argtypes import comma_list
+from ..checks import MAX_TOPK, interpreter_numpy_problem, interpreter_on
+from ..config import KernelConfig, arch_of
+from ..dtypes import DTYPES
+from ..families import FAMILIES
+from ..paths import cache_dir
 from . import registry as registry_
-from .checks import MAX_TOPK, check_topk, interpreter_numpy_problem, interpreter_on, topk_pad
-from .config import KernelConfig, arch_of
-from .paths import cache_dir
-from .reference import TOLERANCE
-from .space import SearchSpace, find_space
-from .timing import Rotation, attention_flops, input_sets, median_ms
+from .objective import OK, Objective, Problem
+from .space import find_space
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SAMPLERS = ("tpe", "gp", "random", "grid")
-TOPK_SPACE = "forward_topk"  # the default search space of top-k variants
-OK, INVALID, FAILED, WRONG = "ok", "invalid", "failed", "wrong"
-WORKER = f"{socket.gethostname()}:{os.getpid()}"  # recorded on every trial
-
-
-# ---------------------------------------------------------------------------------------
-# problems and where their studies live
-# ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Problem:
-    mask: str  # mask spec text, as on the command line
-    dtype: str
-    batch: int
-    heads: int
-    kv_heads: int
-    seq_len: int
-    head_dim: int
-    direction: str = "fwd"
-    topk: int = 0  # top-k softmax (0: plain); a topk >= seq_len is plain softmax too
-
-    def mask_object(self):
-        return masks_.parse_spec(self.mask)
-
-    @property
-    def effective_topk(self) -> int:
-        return check_topk(self.topk or None, self.seq_len)
-
-    @property
-    def variant(self) -> str:
-        from .dispatch import variant_of
-
-        return variant_of(self.mask_object(), self.effective_topk)
-
-    @property
-    def group(self) -> int:
-        return self.heads // self.kv_heads
-
-    def study_name(self, gpu: str) -> str:
-        return (f"attngen/{gpu}/{self.direction}/{self.variant}/{self.dtype}/d{self.head_dim}/s{self.seq_len}/"
-                f"b{self.batch}h{self.heads}kv{self.kv_heads}")
-
-    def entry_key(self) -> registry_.EntryKey:
-        return registry_.EntryKey(variant=self.variant, direction=self.direction, dtype=self.dtype,
-                                  head_dim=self.head_dim, seq_bucket=registry_.seq_bucket(self.seq_len),
-                                  group=self.group)
 
 
 def default_storage_url() -> str:
@@ -136,173 +79,6 @@ def make_sampler(name: str, values: dict, seed: int | None, trials: int):
     raise ValueError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
 
 
-# ---------------------------------------------------------------------------------------
-# compiling in a child process
-# ---------------------------------------------------------------------------------------
-def _inputs(problem: Problem, device, generator=None):
-    dtype = DTYPES[problem.dtype]
-    shape_q = (problem.batch, problem.heads, problem.seq_len, problem.head_dim)
-    shape_kv = (problem.batch, problem.kv_heads, problem.seq_len, problem.head_dim)
-    return [torch.randn(s, device=device, generator=generator).to(dtype) for s in (shape_q, shape_kv, shape_kv)]
-
-
-def compile_child(spec: str) -> None:
-    """Entry point of the child: run the config once so Triton's disk cache holds the kernel."""
-    from .kernels.forward import attention_forward
-
-    s = json.loads(spec)
-    problem = Problem(**s["problem"])
-    device = "cuda" if torch.cuda.is_available() and not interpreter_on() else "cpu"
-    q, k, v = _inputs(problem, device)
-    attention_forward(q, k, v, problem.mask_object(), topk=problem.topk or None, config=KernelConfig(**s["config"]))
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def compile_in_child(problem: Problem, config: KernelConfig, timeout: float) -> str | None:
-    """None when the config compiled and ran in a child process, else why not."""
-    spec = json.dumps(dict(problem=asdict(problem), config=config.as_dict()))
-    try:
-        r = subprocess.run([sys.executable, "-m", "attngen.tune", spec], capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"compilation took over {timeout:.0f}s"
-    if r.returncode == 0:
-        return None
-    lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return f"exit {r.returncode}: {(errors or lines or ['no output'])[-1][:300]}"
-
-
-# ---------------------------------------------------------------------------------------
-# one study
-# ---------------------------------------------------------------------------------------
-class Objective:
-    """Evaluates configs for one problem; trials run in threads, the GPU part one at a time."""
-
-    def __init__(self, problem: Problem, space: SearchSpace, arch: str, device, compile_timeout: float):
-        from .kernels.forward import attention_forward
-
-        self.problem, self.space, self.arch, self.device = problem, space, arch, torch.device(device)
-        self.values = space.for_arch(arch)
-        self.compile_timeout = compile_timeout
-        self.mask = problem.mask_object()
-        self.lock = threading.Lock()
-        self.smem_limit = shared_memory_limit(self.device)
-        g = torch.Generator(device=self.device).manual_seed(0)
-        first = _inputs(problem, self.device, g)
-        bytes_per_set = sum(t.numel() * t.element_size() for t in first)
-        self.sets = [first] + [_inputs(problem, self.device, g)
-                               for _ in range(input_sets(bytes_per_set, self.device) - 1)]
-        # correctness gate: batch 0 and the query heads of key/value head 0, against float64
-        q, k, v = first
-        self.gate = (slice(0, 1), slice(0, problem.group))
-        from .reference import attention as reference
-
-        self.ref = reference(q[self.gate], k[:1, :1], v[:1, :1], mask=self.mask, topk=problem.topk or None)
-        self.flops = attention_flops(self.mask, problem.batch, problem.heads, problem.seq_len, problem.seq_len,
-                                     problem.head_dim, self.device)
-        self.run = lambda q, k, v, config: attention_forward(q, k, v, self.mask, topk=problem.topk or None,
-                                                             config=config)[0]
-
-    def __call__(self, trial) -> float:
-        config = KernelConfig(**{name: trial.suggest_categorical(name, values) for name, values in self.values.items()})
-        status, reason, result = self.evaluate(trial.study, trial.number, config)
-        trial.set_user_attr("worker", WORKER)
-        trial.set_user_attr("status", status)
-        if reason:
-            trial.set_user_attr("reason", reason)
-        for key, value in result.items():
-            trial.set_user_attr(key, value)
-        trial.set_constraint("feasible", 0.0 if status == OK else 1.0)
-        return result.get("tflops", 0.0)
-
-    def evaluate(self, study, number: int, config: KernelConfig):
-        p = self.problem
-        problems = config.problems(p.head_dim, DTYPES[p.dtype].itemsize, self.smem_limit)
-        problems += self.space.violations(config, head_dim=p.head_dim, elem_bytes=DTYPES[p.dtype].itemsize,
-                                          seq_len=p.seq_len, topk_pad=topk_pad(p.effective_topk))
-        if problems:
-            return INVALID, "; ".join(problems), {}
-        earlier = _measured(study, config, number)
-        if earlier is not None:  # the sampler asked again: reuse, never re-measure
-            attrs = earlier.user_attrs
-            result = {k: attrs[k] for k in ("ms", "tflops", "error") if k in attrs}
-            result["repeat_of"] = earlier.number
-            return attrs["status"], attrs.get("reason", ""), result
-        failure = compile_in_child(p, config, self.compile_timeout)
-        if failure:
-            return FAILED, failure, {}
-        with self.lock:
-            try:
-                out = self.run(*self.sets[0], config)
-                error = _rel_error(out[self.gate], self.ref)
-                if not error <= TOLERANCE[DTYPES[p.dtype]]:  # NaN fails too
-                    return WRONG, f"relative error {error:.3e} against the float64 reference", {"error": error}
-                ms = median_ms(Rotation(lambda q, k, v: self.run(q, k, v, config), self.sets), self.device)
-            except Exception as e:  # out of resources at launch, and the like: recorded, not fatal
-                return FAILED, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", {}
-        return OK, "", {"ms": ms, "tflops": self.flops / ms / 1e9, "error": error}
-
-    def sdpa_ms(self) -> tuple[float | None, str]:
-        """The SDPA baseline on the same inputs (cuDNN where it runs), or None on the CPU."""
-        if self.device.type != "cuda":
-            return None, "n/a under the interpreter"
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        from .bench import Unsupported, sdpa_kwargs
-
-        p = self.problem
-        if p.effective_topk:
-            return None, "SDPA has no top-k softmax"
-        try:  # the mask's exact SDPA form: is_causal, or a boolean attn_mask
-            kwargs, _ = sdpa_kwargs(self.mask, batch=p.batch, heads=p.heads, q_len=p.seq_len, kv_len=p.seq_len,
-                                    device=self.device)
-        except Unsupported as e:
-            return None, str(e)
-        if p.group > 1:
-            kwargs["enable_gqa"] = True
-        for backends, name in (([SDPBackend.CUDNN_ATTENTION], "cudnn"), (None, "default")):
-            try:
-                def run(q, k, v, backends=backends):
-                    if backends is None:
-                        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-                    with sdpa_kernel(backends):
-                        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-                with self.lock:
-                    return median_ms(Rotation(run, self.sets), self.device), name
-            except RuntimeError:
-                continue
-        return None, "SDPA could not run this case"
-
-
-def _rel_error(out, ref) -> float:
-    ref = ref.to(torch.float64)
-    return float((out.to(torch.float64) - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _measured(study, config: KernelConfig, number: int):
-    """An earlier finished trial of the same config, if any."""
-    import optuna
-
-    params = config.as_dict()
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        if t.number != number and t.params == params and "status" in t.user_attrs:
-            return t
-    return None
-
-
-def shared_memory_limit(device) -> int | None:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    import triton
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
-
-
 def best_trial(study):
     """The fastest trial that compiled, passed the correctness gate and was timed."""
     import optuna
@@ -312,9 +88,6 @@ def best_trial(study):
     return max(done, key=lambda t: t.user_attrs["tflops"], default=None)
 
 
-# ---------------------------------------------------------------------------------------
-# the command
-# ---------------------------------------------------------------------------------------
 @dataclass
 class Settings:
     gpu: str
@@ -329,7 +102,7 @@ class Settings:
     jobs: int
     compile_timeout: float
     out: Path
-    space: str | None = None  # a file name in search_spaces/ or a path; None: the direction's default
+    space: str | None = None  # a file name in search_spaces/ or a path; None: the kernel family's default
 
 
 def detect(args_gpu: str | None, interpret: bool) -> tuple[str, str, str]:
@@ -354,7 +127,7 @@ def run_study(problem: Problem, settings: Settings, progress=None):
     """Create or resume the study of `problem` and run it to `settings.trials` finished trials."""
     import optuna
 
-    space = find_space(settings.space or (TOPK_SPACE if problem.effective_topk else None), problem.direction)
+    space = space_for(problem, settings)
     storage = open_storage(settings.storage)
     values = space.for_arch(settings.arch)
     study = optuna.create_study(study_name=problem.study_name(settings.gpu), storage=storage,
@@ -391,12 +164,10 @@ def run_study(problem: Problem, settings: Settings, progress=None):
 def starting_points(problem: Problem, settings: Settings, values: dict) -> list[KernelConfig]:
     """The first configs a new study tries: what the registries already hold for this problem
     (exact or nearest bucket), then the architecture's fallback; a search never ends worse than them."""
-    from .config import default_config
-
     found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
                                     settings.gpu).lookup(problem.entry_key())
     configs = [found[0].kernel_config()] if found else []
-    configs.append(default_config(settings.arch, problem.head_dim))
+    configs.append(problem.family.default(settings.arch, problem.head_dim)[0])
     inside = [c for c in configs if all(getattr(c, n) in values[n] for n in values)]
     return list(dict.fromkeys(inside))
 
@@ -422,23 +193,20 @@ def _round(x):
 
 def summary_table(rows) -> str:
     """rows: (problem, study or None, entry or None)."""
-    head = ["mask", "dtype", "D", "S", "B", "H/Hkv", "config (BMxBN, warps, stages, tma, ws)", "ms", "TFLOP/s",
-            "SDPA ms", "SDPA", "speedup"]
+    head = ["kernel", "mask", "dtype", "D", "S", "B", "H/Hkv", "config", "ms", "TFLOP/s", "SDPA ms", "SDPA",
+            "speedup"]
     lines = []
     notes = []
     for p, study, e in rows:
         if e is None:
-            lines.append([p.variant, p.dtype, p.head_dim, p.seq_len, p.batch, f"{p.heads}/{p.kv_heads}",
+            lines.append([p.kernel, p.variant, p.dtype, p.head_dim, p.seq_len, p.batch, f"{p.heads}/{p.kv_heads}",
                           "no config passed", "", "", "", "", ""])
             if study is not None:
                 notes.append(f"{p.variant} {p.dtype} d{p.head_dim} s{p.seq_len}: {why_no_winner(study)}")
             continue
-        c = e.config
         sdpa = e.sdpa_ms
-        lines.append([p.variant, p.dtype, p.head_dim, p.seq_len, p.batch, f"{p.heads}/{p.kv_heads}",
-                      f"{c['block_m']}x{c['block_n']}, {c['num_warps']}, {c['num_stages']}, "
-                      f"{'tma' if c['use_tma'] else '-'}, {'ws' if c['warp_specialize'] else '-'}",
-                      f"{e.ms:.4g}", f"{e.tflops:.4g}", f"{sdpa:.4g}" if sdpa else "n/a",
+        lines.append([p.kernel, p.variant, p.dtype, p.head_dim, p.seq_len, p.batch, f"{p.heads}/{p.kv_heads}",
+                      str(e.kernel_config()), f"{e.ms:.4g}", f"{e.tflops:.4g}", f"{sdpa:.4g}" if sdpa else "n/a",
                       study.user_attrs.get("sdpa", "") if study else "",
                       f"{sdpa / e.ms:.2f}x" if sdpa else "n/a"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
@@ -458,16 +226,25 @@ def why_no_winner(study) -> str:
 
 def problems_from_args(args) -> list[Problem]:
     out = []
-    for dtype in args.dtype:
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be a list of {', '.join(DTYPES)}, got {dtype!r}")
-        for head_dim in args.head_dim:
-            for seq_len in args.seq_len:
-                for topk in args.topk:
-                    out.append(Problem(mask=args.mask, dtype=dtype, batch=args.batch, heads=args.heads,
-                                       kv_heads=args.kv_heads, seq_len=seq_len, head_dim=head_dim,
-                                       direction=args.direction, topk=topk))
+    kernels = list(FAMILIES) if args.kernel == "all" else [args.kernel]
+    for kernel in kernels:
+        for dtype in args.dtype:
+            if dtype not in DTYPES:
+                raise ValueError(f"--dtype must be a list of {', '.join(DTYPES)}, got {dtype!r}")
+            for head_dim in args.head_dim:
+                for seq_len in args.seq_len:
+                    for topk in args.topk:
+                        out.append(Problem(mask=args.mask, dtype=dtype, batch=args.batch, heads=args.heads,
+                                           kv_heads=args.kv_heads, seq_len=seq_len, head_dim=head_dim, kernel=kernel,
+                                           topk=topk))
     return out
+
+
+def space_for(problem: Problem, settings: Settings):
+    """The search space of a problem: --space, else its family's default (the top-k one for top-k)."""
+    family = problem.family
+    name = settings.space or (family.topk_space if problem.effective_topk else family.space)
+    return find_space(name, problem.kernel)
 
 
 def check_problems(problems: list[Problem], interpret: bool):
@@ -482,8 +259,6 @@ def check_problems(problems: list[Problem], interpret: bool):
         if interpret and p.dtype == "bf16":
             raise ValueError("--dtype bf16 cannot run under the interpreter (its bf16 tl.dot is wrong); use fp16 "
                              "or fp32")
-    if problems[0].direction != "fwd":
-        raise ValueError(f"--direction {problems[0].direction}: only fwd kernels exist so far")
 
 
 def main(args) -> int:
@@ -515,7 +290,8 @@ def main(args) -> int:
                         jobs=args.jobs, compile_timeout=args.compile_timeout,
                         out=Path(args.out) if args.out else registry_.user_dir(), space=args.space)
     # fail now, not after the first study, on a bad sampler or space
-    make_sampler(settings.sampler, find_space(settings.space, problems[0].direction).for_arch(settings.arch), None, 1)
+    for problem in problems:
+        make_sampler(settings.sampler, space_for(problem, settings).for_arch(settings.arch), None, 1)
     if args.workers > 1 and not args.worker_only:
         open_storage(settings.storage)  # create the storage's tables once, before the workers race to
         run_workers(args, settings)
@@ -588,8 +364,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--batch", type=int, default=None, help="default 4")
     g.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = --heads)")
-    g.add_argument("--direction", default="fwd", choices=["fwd", "bwd", "both"],
-                   help="fwd (the only kernel so far)")
+    g.add_argument("--kernel", default="fwd", choices=[*FAMILIES, "all"],
+                   help="the kernel family to tune: " + "; ".join(f"{f.name}: {f.doc}" for f in FAMILIES.values())
+                        + "; all: every family (default fwd)")
     g.add_argument("--topk", type=comma_list(int), default=[0],
                    help="top-k softmax variants, e.g. 64,256 (0 = plain softmax, the default); they search "
                         "search_spaces/forward_topk.yaml unless --space is given")
@@ -599,7 +376,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--timeout", type=float, default=None, help="seconds per problem")
     g.add_argument("--sampler", default="tpe", choices=SAMPLERS, help="Optuna sampler (default tpe)")
     g.add_argument("--space", help="search space: a file name in search_spaces/ (e.g. forward_small) or a path "
-                                   "(default: search_spaces/forward.yaml, forward_topk.yaml with --topk)")
+                                   "(default: the family's, e.g. search_spaces/forward.yaml, forward_topk.yaml "
+                                   "with --topk)")
     g.add_argument("--seed", type=int, default=None, help="sampler seed")
     g.add_argument("--storage", help="Optuna storage: a journal file path or an RDB URL such as "
                                      "postgresql+psycopg2://user:password@host/db (default: a journal file "
@@ -626,19 +404,3 @@ def fill_defaults(args) -> None:
         args.kv_heads = args.heads
     if args.trials < 1 or args.jobs < 1 or args.workers < 1:
         raise ValueError("--trials, --jobs and --workers must be >= 1")
-    if args.direction != "fwd":
-        raise ValueError(f"--direction {args.direction}: only the forward kernel exists so far")
-
-
-def comma_list(kind):
-    def parse(text):
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
-    parse.__name__ = f"list of {kind.__name__}"
-    return parse
-
-
-if __name__ == "__main__":
-    compile_child(sys.argv[1])

@@ -1,0 +1,126 @@
+"""Kernel families: one small record each, which dispatch, tune, bench and explain look up.
+
+A family is a kind of kernel with its own templates, search space and registry entries: the
+forward kernel (`fwd`, top-k included) and the backward kernels (`bwd`). Adding one is adding a
+record here (and its template, space, launcher and fallback row in attngen/config.py), not editing
+the modules that use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from . import reference
+from .checks import check_qkv, check_scale, check_topk
+from .config import KernelConfig, arch_of, default_config, default_entry
+from .kernels.backward import backward
+from .kernels.forward import attention_forward, forward
+from .tools.timing import BWD_FACTOR, attention_flops
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    name: str  # the registry's `kernel` key and `attngen tune --kernel NAME`
+    doc: str
+    templates: tuple[str, ...]  # the kernel templates it renders (templates/kernels/<name>.py.jinja)
+    space: str  # its default search space (search_spaces/<space>.yaml) ...
+    topk_space: str  # ... and that of its top-k variants
+    inputs: tuple[str, ...]  # the tensors a run takes: "q" (B, Hq, S, D) or "kv" (B, Hkv, S, D) each
+    outputs: tuple[str, ...]  # the tensors a run returns, likewise
+    run: Callable  # (*inputs, mask, *, topk, config) -> [outputs]
+    reference: Callable  # (*inputs, mask, *, topk) -> [the outputs in float64, attngen.reference]
+    flops: Callable  # (mask, batch, heads, q_len, kv_len, head_dim, device) -> FLOPs of one run
+    fit: Callable  # (config, q_len) -> (config, note): the chosen config adapted to one call's shape
+
+    def default(self, arch: str, head_dim: int) -> tuple[KernelConfig, str]:
+        """The fallback config where the registry has none, and where it comes from."""
+        return default_entry(self.name, arch, head_dim)
+
+
+def query_rows(q_len: int) -> int:
+    """The query length rounded up to a power of two, at least 16: the rows a short query fills."""
+    return max(16, 1 << max(0, q_len - 1).bit_length())
+
+
+# ---------------------------------------------------------------------------------------
+# fwd: the forward kernel (and its top-k threshold kernels)
+# ---------------------------------------------------------------------------------------
+def _forward_run(q, k, v, mask, *, topk, config):
+    return [attention_forward(q, k, v, mask, topk=topk, config=config)[0]]
+
+
+def _forward_reference(q, k, v, mask, *, topk):
+    return [reference.attention(q, k, v, mask, topk=topk)]
+
+
+def _forward_fit(config: KernelConfig, q_len: int) -> tuple[KernelConfig, str]:
+    """A short query (decoding) fills a smaller query tile."""
+    rows = query_rows(q_len)
+    if rows < config.block_m:
+        return replace(config, block_m=rows), f"block_m cut to {rows} for q_len {q_len}"
+    return config, ""
+
+
+FORWARD = KernelFamily(
+    name="fwd",
+    doc="forward attention (FlashAttention-2 online softmax), top-k softmax included",
+    templates=("forward", "topk"),
+    space="forward",
+    topk_space="forward_topk",
+    inputs=("q", "kv", "kv"),
+    outputs=("q",),
+    run=_forward_run,
+    reference=_forward_reference,
+    flops=attention_flops,
+    fit=_forward_fit,
+)
+
+
+# ---------------------------------------------------------------------------------------
+# bwd: the backward kernels; a run is the forward (at the forward's fallback config) and the backward
+# ---------------------------------------------------------------------------------------
+def _backward_run(q, k, v, dout, mask, *, topk, config):
+    shape = check_qkv(q, k, v, kernel=True)
+    scale, topk = check_scale(None, shape.head_dim), check_topk(topk, shape.kv_len)
+    fwd_config = default_config("fwd", arch_of(q.device), shape.head_dim)
+    out, lse, thr = forward(q, k, v, mask, shape, scale, topk, True, fwd_config)
+    return list(backward(q, k, v, out, lse, thr, dout, None, mask, shape, scale, config, fwd_config))
+
+
+def _backward_reference(q, k, v, dout, mask, *, topk):
+    q, k, v = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out = reference.attention(q, k, v, mask, topk=topk)
+        return list(torch.autograd.grad(out, (q, k, v), dout.to(torch.float64)))
+
+
+def _backward_flops(mask, batch, heads, q_len, kv_len, head_dim, device) -> int:
+    """The forward's FLOPs and the backward's (BWD_FACTOR times those): a run does both."""
+    return int(attention_flops(mask, batch, heads, q_len, kv_len, head_dim, device) * (1 + BWD_FACTOR))
+
+
+BACKWARD = KernelFamily(
+    name="bwd",
+    doc="backward attention (dQ, dK, dV; FlashAttention-2 structure, deterministic)",
+    templates=("backward",),
+    space="backward",
+    topk_space="backward",
+    inputs=("q", "kv", "kv", "q"),
+    outputs=("q", "kv", "kv"),
+    run=_backward_run,
+    reference=_backward_reference,
+    flops=_backward_flops,
+    fit=lambda config, q_len: (config, ""),
+)
+
+FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (FORWARD, BACKWARD)}
+
+
+def family(name: str, option: str = "kernel") -> KernelFamily:
+    """The family called `name`; a ValueError naming `option` and the known names otherwise."""
+    if name not in FAMILIES:
+        raise ValueError(f"{option} must be one of {', '.join(FAMILIES)}, got {name!r}")
+    return FAMILIES[name]

@@ -1,0 +1,2 @@
+"""Tuning: search spaces (space), the tuned registry (registry), one trial (objective) and the
+`attngen tune` command (tune)."""
