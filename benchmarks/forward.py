@@ -7,7 +7,7 @@ Every method is first checked against the float64 reference on the same random i
 is timed with triton.testing.do_bench (median of repeated runs after warm-up; the three inputs
 together are larger than the L2 at the default shape). attngen runs through the dispatcher, so
 it uses the tuned registry when one is there (the `config` column says which entry). TFLOP/s
-counts 4 * D FLOPs per visible (query, key) pair (attngen.timing), so a causal mask counts about
+counts 4 * D FLOPs per visible (query, key) pair (attngen.tools.timing), so a causal mask counts about
 half the pairs of a dense one. Writes forward.json and forward.md into --out, prints the table last.
 """
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 
 import attngen
-from attngen.timing import attention_flops
+from attngen.tools.timing import attention_flops
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

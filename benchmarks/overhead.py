@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import attngen
 from attngen import masks as masks_
 from attngen.checks import check_qkv
-from attngen.kernels.forward import blocks, launch_args, tma_eligible
+from attngen.kernels.forward import blocks, forward_launch
+from attngen.kernels.launch import tma_eligible
 
 
 def per_call_us(methods: dict, calls=1000, rounds=21) -> dict:
@@ -54,9 +55,10 @@ def raw_launch(q, k, v, mask):
     config = attngen.dispatch.choose(q, k, v, m).config
     bound, structure = blocks(q, m, shape, config)
     out = torch.empty_like(q)
-    kernel, grid, args, kwargs = launch_args(q, k, v, out, None, None, bound, structure, shape, 1 / shape.head_dim ** 0.5,
-                                             config, config.use_tma and tma_eligible(q, k, v))
-    return lambda: kernel[grid](*args, **kwargs)
+    launch = forward_launch(q, k, v, out, None, None, bound, structure, shape, 1 / shape.head_dim ** 0.5, config,
+                            config.use_tma and tma_eligible(q, k, v))
+    kernel, values, options = launch.kernel[launch.grid], launch.values, launch.options
+    return lambda: kernel(*values, **options)
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import optuna
 
-from attngen import tune
+from attngen.tuning import tune
 
 
 def measured_table(storage: str, study_name: str | None):

@@ -1,0 +1,69 @@
+"""The backward kernels under chosen configs: where the fallback configs of attngen/config.py come from.
+
+    python benchmarks/bwd_configs.py [--shape 4,16,4096,128] [--masks none,causal] [--configs 32x128x4x3,...]
+
+A config is BLOCK_M x BLOCK_N x warps x stages of the `bwd` family (dK/dV runs block_m x block_n
+tiles, dQ block_n x block_m; attngen.kernels.backward.tiles). For each mask and config: the forward
+at its fallback config and the backward at the config, checked against float64 autograd on batch
+0, heads 0-1, then timed (triton.testing.do_bench median), with the forward alone timed once per
+mask so that the backward's share is known. A config that fails to compile or run says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+
+import attngen
+from attngen.config import KernelConfig
+from attngen.families import BACKWARD, FORWARD
+from attngen.tools.timing import BWD_FACTOR
+
+DEFAULT_CONFIGS = "32x128x4x3,32x128x4x2,64x128x8x2,32x64x4x3,64x64x4x2,16x128x4x3,64x128x4x2,32x128x8x3"
+
+
+def parse_config(text: str) -> KernelConfig:
+    bm, bn, warps, stages = (int(x) for x in text.split("x"))
+    return KernelConfig(bm, bn, warps, stages)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="4,16,4096,128")
+    p.add_argument("--masks", default="none,causal")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    args = p.parse_args()
+    b, h, s, d = (int(x) for x in args.shape.split(","))
+    g = torch.Generator(device="cuda").manual_seed(99)
+    q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
+          f"B={b} H={h} S={s} D={d}")
+    print("| mask | config | fwd+bwd ms | bwd ms (less the forward) | TFLOP/s fwd+bwd | max rel. error |")
+    print("|---|---|---|---|---|---|")
+    for mask_name in args.masks.split(","):
+        mask = None if mask_name == "none" else attngen.masks.parse_spec(mask_name)
+        refs = BACKWARD.reference(q[:1, :2], k[:1, :2], v[:1, :2], dout[:1, :2], mask, topk=None)
+        flops = FORWARD.flops(mask, b, h, s, s, d, "cuda") * (1 + BWD_FACTOR)
+        fwd_config = FORWARD.default("sm90", d)[0]
+        fwd_ms = triton.testing.do_bench(lambda: FORWARD.run(q, k, v, mask, topk=None, config=fwd_config),
+                                         warmup=50, rep=200, return_mode="median")
+        for text in args.configs.split(","):
+            config = parse_config(text)
+            try:
+                run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=None, config=config)  # noqa: E731
+                grads = run()
+                error = max(float((x[:1, :2].double() - r).norm() / r.norm()) for x, r in zip(grads, refs))
+                ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
+                print(f"| {mask_name} | {text} | {ms:.3f} | {ms - fwd_ms:.3f} | {flops / ms / 1e9:.0f} | {error:.1e} |",
+                      flush=True)
+            except Exception as e:  # out of resources and the like
+                print(f"| {mask_name} | {text} | n/a | | | {type(e).__name__}: {str(e).splitlines()[0][:100]} |",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
