@@ -15,10 +15,13 @@ $(BIN)/.ready: requirements-test.txt
 	$(BIN)/pip install -q -r requirements-test.txt
 	touch $@
 
-# attngen is installed non-editably, so the tests also prove that the data folders ship with it
+# attngen is installed non-editably, so the tests also prove that the data folders ship with it; the
+# tests run on TEST_JOBS processes (pytest-xdist) and the slowest are listed at the end
+TEST_JOBS ?= 2
 test: $(BIN)/.ready
 	$(BIN)/pip install -q --no-deps --force-reinstall .
-	cd tests && ATTNGEN_TEST_INSTALLED=1 ../$(BIN)/pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml $(PYTEST_ARGS)
+	cd tests && ATTNGEN_TEST_INSTALLED=1 ../$(BIN)/pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
+		-n $(TEST_JOBS) --durations=15 $(PYTEST_ARGS)
 
 tune: $(BIN)/.ready
 	$(BIN)/pip install -q --no-deps --force-reinstall .

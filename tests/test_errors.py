@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import attngen
-from conftest import DEVICE
+from helpers import DEVICE
 
 
 def qkv(q_shape=(1, 4, 8, 16), k_shape=(1, 2, 8, 16), dtype=torch.float16, device=DEVICE):
@@ -25,6 +25,7 @@ def qkv(q_shape=(1, 4, 8, 16), k_shape=(1, 2, 8, 16), dtype=torch.float16, devic
     (qkv(), {"mask": 3}, TypeError, "mask must be None, a mask name or an attngen mask object, got int"),
     (qkv(), {"mask": "sliding_window"}, TypeError, r"mask 'sliding_window' is missing parameter 'window' \(window: int >= 1\)"),
     (qkv(), {"scale": "big"}, TypeError, "scale must be a float or None, got str"),
+    (qkv(), {"scale": -1.0}, ValueError, "scale must be a positive finite number, got -1.0"),
 ])
 def test_bad_input(args, kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -86,9 +87,3 @@ def test_register_template_dir_needs_a_folder(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         attngen.register_template_dir(tmp_path / "missing")
 
-
-def test_backward_is_a_clear_error():
-    q, k, v = (t.float().requires_grad_() for t in qkv())
-    out = attngen.attention(q, k, v)
-    with pytest.raises(NotImplementedError, match="no backward kernel yet"):
-        out.sum().backward()

@@ -1,16 +1,19 @@
-"""`attngen bench` and `attngen profile` on the CPU, under Triton's interpreter."""
+"""`attngen bench` on the CPU, under Triton's interpreter: its methods, its table and output formats."""
 
 import csv
 import json
 import math
+import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from attngen import bench, cli
+from attngen import cli
 from attngen import masks as masks_
+from attngen.tools import bench, methods, report
+from attngen.tools.methods import Case
+from helpers import attngen_cmd, cli_env
 
 SHAPE = "1,2,32,16"  # B,H,S,D: tiny, so the interpreter and the CPU compilers stay quick
 CPU_ONLY = {"sdpa_efficient", "sdpa_cudnn"}  # the methods this machine cannot run, with the reason shown
@@ -20,17 +23,15 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU table
 
 def run_cli(tmp_path, *args):
     """`attngen ARGS` in a process of its own, as a user runs it."""
-    from test_tune import env_for
-
-    return subprocess.run([sys.executable, "-m", "attngen", *args], env=env_for(tmp_path), capture_output=True,
-                          text=True, cwd=tmp_path, timeout=600)
+    return subprocess.run(attngen_cmd(*args), env=cli_env(tmp_path), capture_output=True, text=True, cwd=tmp_path,
+                          timeout=600)
 
 
 def table_rows(stdout: str) -> dict[str, dict]:
     """The terminal table as {method: {column: text}} (columns split on runs of 2+ spaces)."""
     lines = stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("method "))
-    titles = [t for _, t in bench.COLUMNS]
+    titles = [t for _, t in report.COLUMNS]
     rows = {}
     for line in lines[head + 2:]:
         if not line or line.startswith(" "):
@@ -58,7 +59,7 @@ def full_run(tmp_path_factory):
 def test_table_has_every_method_with_numbers_or_reasons(full_run):
     tmp, r = full_run
     rows = table_rows(r.stdout)
-    assert list(rows) == list(bench.METHODS)
+    assert list(rows) == list(methods.METHODS)
     for method, row in rows.items():
         if method in CPU_ONLY:
             assert row["ms"] == "n/a" and row["note"] == "n/a: needs a CUDA device"
@@ -68,7 +69,7 @@ def test_table_has_every_method_with_numbers_or_reasons(full_run):
         assert number(row["max rel err"]) < 3e-3, (method, row)  # fp16 against the float64 reference
     assert rows["naive"]["vs naive"] == "1.00x"
     assert rows["sdpa_math"]["note"] == "is_causal=True"
-    assert "BLOCK" in rows["attngen"]["note"] and "interpreter" in rows["attngen"]["note"]
+    assert re.match(r"\d+x\d+ w\d+ s\d+ \(no registry entry for interpreter; ", rows["attngen"]["note"])  # the config
     assert "peak MiB: n/a on the CPU" in r.stdout and "not GPU figures" in r.stdout
     assert "run/s" in r.stderr or "s/run" in r.stderr  # the progress bar
 
@@ -90,7 +91,7 @@ def test_json_csv_markdown_carry_the_numbers_of_the_table(full_run):
         assert row["note"] == shown["note"]
     with open(tmp / "out.csv", newline="") as f:
         csv_rows = list(csv.DictReader(f))
-    assert [c["method"] for c in csv_rows] == list(bench.METHODS)
+    assert [c["method"] for c in csv_rows] == list(methods.METHODS)
     for c, row in zip(csv_rows, case["rows"]):
         for key in columns:
             assert (float(c[key]) if c[key] else None) == row[key]
@@ -100,29 +101,29 @@ def test_json_csv_markdown_carry_the_numbers_of_the_table(full_run):
 
 
 def test_backward_runs_what_has_a_backward_and_says_why_not_for_the_rest():
-    results = bench.run_cases([case("causal", bwd=True)], ["naive", "naive_out", "sdpa_math", "flex", "attngen"], "cpu")
+    results = bench.run_cases([case("causal", seq_len=37, bwd=True)], ["naive", "naive_out", "sdpa_math", "flex",
+                                                                        "attngen"], "cpu")
     (_, rows, notes, flops), = results
     rows = {r.method: r for r in rows}
-    assert flops == int(4 * 16 * 2 * (32 * 33 // 2) * 3.5)  # forward + backward: 1 + 2.5 times the forward
-    for method in ("naive", "sdpa_math"):
+    assert flops == int(4 * 16 * 2 * (37 * 38 // 2) * 3.5)  # forward + backward: 1 + 2.5 times the forward
+    for method in ("naive", "sdpa_math", "attngen"):
         assert rows[method].ms > 0 and rows[method].error < 3e-3  # output and gradients against float64 autograd
-    assert rows["attngen"].ms is None and rows["attngen"].note.startswith("n/a: attngen has no backward kernel yet")
     assert rows["naive_out"].ms is None and "out=" in rows["naive_out"].note
     assert rows["flex"].ms is None and rows["flex"].note.startswith("n/a: ")  # no FlexAttention backward on the CPU
 
 
 def case(mask="causal", seq_len=32, bwd=False, dtype="fp16"):
-    return bench.Case(1, 2, seq_len, 16, dtype, mask, bwd)
+    return Case(1, 2, seq_len, 16, dtype, mask, bwd)
 
 
 def test_a_wrong_result_shows_in_the_error_column(monkeypatch):
-    build = bench.BUILDERS["naive"]
+    build = methods.BUILDERS["naive"]
 
     def off_by_one_percent(p):
         fn, note = build(p)
         return (lambda: fn() * 1.01), note
 
-    monkeypatch.setitem(bench.BUILDERS, "naive", off_by_one_percent)
+    monkeypatch.setitem(methods.BUILDERS, "naive", off_by_one_percent)
     (_, rows, _, _), = bench.run_cases([case("none")], ["naive", "sdpa_math"], "cpu")
     wrong, right = rows
     assert 5e-3 < wrong.error < 2e-2 and right.error < 1e-3
@@ -144,15 +145,15 @@ def test_score_modifiers_have_no_sdpa_form_and_run_elsewhere():
 def test_sdpa_forms_and_flex_mask_mods_agree_with_the_reference_mask(spec):
     from torch.nn.attention.flex_attention import create_mask
 
-    m = bench.parse_mask(spec)
+    m = methods.parse_mask(spec)
     sizes = dict(batch=2, heads=3, q_len=20, kv_len=20)
-    kwargs, how = bench.sdpa_kwargs(m, **sizes, device="cpu")
+    kwargs, how = methods.sdpa_kwargs(m, **sizes, device="cpu")
     if m is None:
         assert kwargs == {}
         return
-    p = bench.make_inputs(bench.Case(2, 3, 20, 8, "fp32", spec, mask_object=m), "cpu")
-    mask_mod, score_mod = bench.torch_mods(p)
-    visible = bench.dense_visible(m, **sizes, device="cpu")
+    p = methods.make_inputs(Case(2, 3, 20, 8, "fp32", spec, mask_object=m), "cpu")
+    mask_mod, score_mod = methods.torch_mods(p)
+    visible = methods.dense_visible(m, **sizes, device="cpu")
     assert score_mod is None
     assert torch.equal(create_mask(mask_mod, 2, 3, 20, 20, device="cpu"), visible.expand(2, 3, 20, 20))  # vmapped
     if spec == "causal":
@@ -171,12 +172,12 @@ def test_masks_with_tensor_parameters_reach_flex_through_vmap():
 
     ids = torch.tensor([[0] * 7 + [1] * 13, [0] * 15 + [1] * 5])
     m = masks_.mask("document", doc_ids=ids) & masks_.mask("causal")
-    p = bench.make_inputs(bench.Case(2, 3, 20, 8, "fp32", "document & causal", mask_object=m), "cpu")
-    mask_mod, _ = bench.torch_mods(p)
-    visible = bench.dense_visible(m, **p.sizes, device="cpu")
+    p = methods.make_inputs(Case(2, 3, 20, 8, "fp32", "document & causal", mask_object=m), "cpu")
+    mask_mod, _ = methods.torch_mods(p)
+    visible = methods.dense_visible(m, **p.sizes, device="cpu")
     assert visible.shape == (2, 1, 20, 20) and not visible.all()
     assert torch.equal(create_mask(mask_mod, 2, 3, 20, 20, device="cpu"), visible.expand(2, 3, 20, 20))
-    assert bench.reference_slice(p.case) == (2, 3)  # the tensor is sized for the whole call: no slicing
+    assert methods.reference_slice(p.case) == (2, 3)  # the tensor is sized for the whole call: no slicing
 
 
 def test_sweep_writes_a_png(tmp_path, capsys):
@@ -212,25 +213,9 @@ def test_bad_list_option_is_refused_by_the_parser(capsys):
     assert info.value.code == 2 and "--seq-lens" in capsys.readouterr().err
 
 
-def test_profile_prints_the_table_and_writes_a_chrome_trace(tmp_path):
-    r = run_cli(tmp_path, "profile", "--interpret", "--method", "attngen", "--shape", SHAPE, "--mask", "causal",
-                "--trace", "trace.json", "--memory", "--row-limit", "8", "--steps", "2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "attngen profile: attngen" in r.stdout and "sorted by cpu_time_total" in r.stdout
-    assert "Self CPU" in r.stdout and "CPU Mem" in r.stdout  # the key_averages table, with memory columns
-    assert "attngen bench step: attngen" in r.stdout
-    trace = json.loads((tmp_path / "trace.json").read_text())
-    assert any(e.get("name") == "attngen bench step: attngen" for e in trace["traceEvents"])
-
-
-def test_profile_names_a_bad_method(capsys):
-    assert cli.main(["profile", "--interpret", "--method", "fast"]) == 2
-    assert "--method: unknown method 'fast'; valid: naive" in capsys.readouterr().err
-
-
 def test_reference_slice_keeps_the_float64_check_affordable():
-    assert bench.reference_slice(case()) == (1, 2)
-    big = bench.Case(4, 16, 32768, 128, "bf16", "causal")
-    assert bench.reference_slice(big) == (1, 1)
-    assert bench.reference_slice(bench.Case(4, 16, 4096, 128, "bf16", "none")) == (1, 16)
-    assert math.isnan(bench.max_rel_error([torch.full((1, 1, 2, 2), float("nan"))], [torch.ones(1, 1, 2, 2)]))
+    assert methods.reference_slice(case()) == (1, 2)
+    big = Case(4, 16, 32768, 128, "bf16", "causal")
+    assert methods.reference_slice(big) == (1, 1)
+    assert methods.reference_slice(Case(4, 16, 4096, 128, "bf16", "none")) == (1, 16)
+    assert math.isnan(methods.max_rel_error([torch.full((1, 1, 2, 2), float("nan"))], [torch.ones(1, 1, 2, 2)]))

@@ -11,18 +11,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from attngen import registry
+from attngen import masks as masks_
 from attngen.config import KernelConfig
 from attngen.paths import data_dir
-from attngen.registry import (SCHEMA_VERSION, Entry, EntryKey, Registry, RegistryWarning, gpu_key, load_file,
-                              seq_bucket, shipped_dir, user_dir, write_entries)
+from attngen.tuning import registry
+from attngen.tuning.registry import (SCHEMA_VERSION, Entry, EntryKey, Registry, RegistryWarning, gpu_key, load_file,
+                                     seq_bucket, shipped_dir, user_dir, variant_of, write_entries)
 
 CONFIG = dict(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=True, warp_specialize=False)
 
 
-def make_entry(variant="none", direction="fwd", dtype="bf16", head_dim=128, bucket=4096, group=1,
+def make_entry(variant="none", kernel="fwd", dtype="bf16", head_dim=128, bucket=4096, group=1,
                tflops=100.0, **config):
-    key = EntryKey(variant, direction, dtype, head_dim, bucket, group)
+    key = EntryKey(variant, kernel, dtype, head_dim, bucket, group)
     return Entry(key, {**CONFIG, **config}, ms=1.5, tflops=tflops, sdpa_ms=1.2, trials=40,
                  triton="3.6.0", torch="2.11.0+cu130", date="2026-11-29")
 
@@ -96,7 +97,8 @@ def test_missing_config_field_is_refused():
 
 
 @pytest.mark.parametrize("fields, reason", [
-    (dict(direction="both"), "direction='both'"),
+    (dict(kernel="Fwd"), "kernel='Fwd' must be a kernel family name"),
+    (dict(kernel=""), "kernel=''"),
     (dict(dtype="fp8"), "dtype='fp8'"),
     (dict(seq_bucket=1000), "seq_bucket=1000 must be a power of two"),
     (dict(group=0), "group=0"),
@@ -104,7 +106,7 @@ def test_missing_config_field_is_refused():
 ])
 def test_invalid_key_is_refused(fields, reason):
     with pytest.raises(ValueError, match=reason):
-        EntryKey(**{**dict(variant="none", direction="fwd", dtype="bf16", head_dim=64, seq_bucket=16, group=1),
+        EntryKey(**{**dict(variant="none", kernel="fwd", dtype="bf16", head_dim=64, seq_bucket=16, group=1),
                     **fields})
 
 
@@ -123,14 +125,15 @@ def test_round_trip(tmp_path, no_warnings):
     assert (loaded.gpu, loaded.device_name) == ("h200", "NVIDIA H200")
     assert loaded.entries == written.entries == {e.key: e for e in entries}
     text = path.read_text()
-    assert text.startswith("version: 1\ngpu: h200\ndevice_name: NVIDIA H200\nentries:\n- variant: ")
+    assert text.startswith(f"version: {SCHEMA_VERSION}\ngpu: h200\ndevice_name: NVIDIA H200\nentries:\n- variant: ")
+    assert "\n  kernel: fwd\n" in text and "direction" not in text
     assert "  config: {block_m: 128, block_n: 64, num_warps: 4, num_stages: 2, use_tma: true, " \
            "warp_specialize: false}\n" in text
     assert "  date: '2026-11-29'\n" in text
 
 
 def test_output_is_deterministic(tmp_path):
-    entries = [make_entry(variant=v, direction=d, bucket=b, group=g)
+    entries = [make_entry(variant=v, kernel=d, bucket=b, group=g)
                for v in ("none", "causal(align='top_left')") for d in ("fwd", "bwd")
                for b in (16, 1024, 65536) for g in (1, 8)]
     shuffled = random.Random(0).sample(entries, len(entries))
@@ -190,7 +193,7 @@ GOOD_ENTRY = make_entry().as_dict()
     ("", "the file is empty"),
     ("- 1\n- 2\n", "the top level must be a mapping"),
     ("gpu: h200\ndevice_name: x\nentries: []\n", "it has no version"),
-    ("version: 2\ngpu: h200\ndevice_name: x\nentries: []\n", "version 2, this attngen reads version 1"),
+    ("version: 3\ngpu: h200\ndevice_name: x\nentries: []\n", "version 3, this attngen reads versions 1, 2"),
     ("version: 1\ngpu: h200\ndevice_name: x\nentries: {a: 1}\n", "entries must be a list, got dict"),
     ("version: 1\ngpu: H200\ndevice_name: x\nentries: []\n", "gpu='H200' must be a gpu key"),
     ("version: 1\ngpu: h200\nentries: []\n", "device_name=None must be a string"),
@@ -227,7 +230,7 @@ def test_a_bad_entry_is_skipped_and_the_good_ones_kept(tmp_path):
         loaded = load_file(path)
     messages = [str(w.message) for w in record]
     start = f"attngen: skipping entry {{}} of registry {path}: "
-    key = "variant='none', direction='fwd', dtype='bf16', head_dim=128, seq_bucket={}, group=1"
+    key = "variant='none', kernel='fwd', dtype='bf16', head_dim=128, seq_bucket={}, group=1"
     assert messages == [
         f"attngen: skipping entry 1 ({key.format(1024)}) of registry {path}: "
         "block_m=48 must be a power of two >= 16",
@@ -247,6 +250,40 @@ def test_duplicate_keys_keep_the_better_entry(tmp_path):
     with pytest.warns(RegistryWarning, match=r"skipping entry 0 of registry .*: same key as entry 1"):
         loaded = load_file(path)
     assert [e.tflops for e in loaded.entries.values()] == [GOOD_ENTRY["tflops"]]
+
+
+def test_a_version_1_file_is_read_and_written_back_as_version_2(tmp_path, no_warnings):
+    """Version 1 called the kernel family `direction`: its entries are read as `kernel` ones, and the
+    next write turns the file into version 2."""
+    old = {("direction" if name == "kernel" else name): value for name, value in GOOD_ENTRY.items()}
+    assert list(old)[:3] == ["variant", "direction", "dtype"]
+    path = write_raw(tmp_path / "h200.yaml", {"version": 1, "gpu": "h200", "device_name": "NVIDIA H200",
+                                               "entries": [old]})
+    (entry,) = load_file(path).entries.values()
+    assert entry.key == make_entry().key and entry.key.kernel == "fwd"
+    found, reason = Registry.load([tmp_path], "h200").lookup(make_entry().key)
+    assert found.tflops == GOOD_ENTRY["tflops"] and reason.startswith("exact entry")
+    write_entries(path, [make_entry(bucket=1024)], "h200", "NVIDIA H200")
+    text = path.read_text()
+    assert text.startswith("version: 2\n") and "direction" not in text and text.count("\n  kernel: fwd\n") == 2
+    assert sorted(k.seq_bucket for k in load_file(path).entries) == [1024, 4096]
+    assert not list(tmp_path.glob("h200.yaml.invalid-*"))  # nothing was unusable
+
+
+def test_direction_is_only_read_in_version_1(tmp_path):
+    old = {("direction" if name == "kernel" else name): value for name, value in GOOD_ENTRY.items()}
+    path = write_raw(tmp_path / "h200.yaml", {"version": 2, "gpu": "h200", "device_name": "NVIDIA H200",
+                                               "entries": [old]})
+    with pytest.warns(RegistryWarning, match="skipping entry 0 .* lacks kernel; unknown fields direction"):
+        assert load_file(path).entries == {}
+
+
+def test_variant_names():
+    assert variant_of(None) == "none"
+    assert variant_of(None, 40) == "topk(64)"  # K rounded up to a power of two: one variant per bucket
+    assert variant_of(masks_.as_mask("causal"), 8) == "causal(align='top_left') & topk(8)"
+    assert variant_of(masks_.mask("sliding_window", window=3) & masks_.mask("softcap", cap=2.0)) == \
+        "sliding_window(two_sided=False, align='top_left') & softcap"
 
 
 def test_unquoted_date_is_read(tmp_path, no_warnings):
@@ -313,11 +350,11 @@ import sys, time, types
 from pathlib import Path
 
 path, writer, go = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-# the attngen package without its __init__, which imports torch (seconds in each process)
+# the attngen package without its __init__, which imports triton and the kernels (seconds in each process)
 package = types.ModuleType("attngen")
 package.__path__ = [sys.argv[4]]
 sys.modules["attngen"] = package
-from attngen.registry import Entry, EntryKey, write_entries
+from attngen.tuning.registry import Entry, EntryKey, write_entries
 
 Path(f"{go}.ready{writer}").touch()
 while not go.exists():
@@ -338,7 +375,7 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     for w, log in enumerate(logs):
         with log.open("w") as err:
             procs.append(subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(w), str(go),
-                                           str(Path(registry.__file__).parent)],
+                                           str(Path(registry.__file__).parent.parent)],
                                           stdout=subprocess.DEVNULL, stderr=err))
     try:
         # start the writes together, after the (slow) imports
@@ -419,7 +456,7 @@ def test_nearest_bucket_prefers_the_user_at_equal_distance(tmp_path):
     assert reg.lookup(make_entry(bucket=16384).key)[0].key.seq_bucket == 32768  # nearer wins over the user
 
 
-@pytest.mark.parametrize("other", [dict(variant="causal"), dict(direction="bwd"), dict(dtype="fp16"),
+@pytest.mark.parametrize("other", [dict(variant="causal"), dict(kernel="bwd"), dict(dtype="fp16"),
                                    dict(head_dim=64), dict(group=2)])
 def test_lookup_without_a_fitting_entry(tmp_path, other):
     write_source(tmp_path, make_entry())
@@ -456,4 +493,6 @@ def test_shipped_registry_is_valid(no_warnings):
     for path in sorted(shipped_dir().glob("*.yaml")):
         loaded = load_file(path)
         assert loaded is not None and loaded.gpu == path.stem
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2
+    text = (shipped_dir() / "h200.yaml").read_text()
+    assert text.startswith("version: 2\n") and "direction:" not in text

@@ -1,13 +1,16 @@
-"""On a CUDA device: bf16 and realistic shapes for every mask (skipped without CUDA)."""
+"""On a CUDA device: bf16, realistic shapes for every mask, the compiled kernels' caches, and the
+top-k parametrizations the CPU suite leaves to the GPU (skipped without CUDA)."""
 
 import pytest
 import torch
 
 import attngen
-import attngen.kernels.forward as forward
+from attngen.checks import check_qkv
 from attngen.config import KernelConfig
-from attngen.kernels.forward import attention_forward
-from conftest import assert_close, poisoned_like, rand_qkv
+from attngen.kernels import forward
+from attngen.kernels.launch import ensure_allocator, module_for, tma_eligible
+from attngen.kernels.topk import Thresholds, TopkTuning, threshold_config
+from helpers import assert_close, check_forward, poisoned_like, rand_qkv
 from masks_zoo import ZOO
 
 pytestmark = pytest.mark.gpu
@@ -32,20 +35,13 @@ def test_realistic_shape(name, dtype):
 def test_bf16_ragged(q_len, kv_len):
     q, k, v = rand_qkv(2, 8, 2, q_len, kv_len, 96, torch.bfloat16, device="cuda")
     for mask in (None, "causal", attngen.mask("causal", align="bottom_right")):
-        out, lse = poisoned_like(q)
-        config = attngen.dispatch.choose(q, k, v, mask).config
-        attention_forward(q, k, v, mask, return_lse=True, config=config, out=out, lse=lse)
-        ref, ref_lse = attngen.reference.attention(q, k, v, mask, return_lse=True)
-        assert_close(out, ref, torch.bfloat16, lse, ref_lse)
+        check_forward(q, k, v, mask)
 
 
 @pytest.mark.parametrize("head_dim", [128, 80])
 def test_new_lengths_in_a_bucket_do_not_recompile(head_dim):
     """Sequence lengths are run-time arguments: lengths sharing a registry bucket share the compiled kernel."""
-    from attngen import masks as masks_
-    from attngen.kernels.forward import kernel_for
-
-    kernel = kernel_for(masks_.as_mask("causal"))
+    kernel = module_for("forward", attngen.masks.as_mask("causal")).attention_fwd
 
     def compiled():
         return sum(len(cache[0]) for cache in kernel.device_caches.values())
@@ -74,7 +70,7 @@ def test_topk_realistic(topk, mask, dtype):
 @pytest.mark.parametrize("topk,config", [(64, KernelConfig(128, 64, 4, 2, use_tma=True)),
                                          (256, KernelConfig(128, 64, 8, 2))], ids=["64-128x64x4t", "256-128x64x8"])
 @pytest.mark.parametrize("mask", [None, "causal"])
-def test_topk_thresholds_at_their_own_tiles(topk, config, mask, monkeypatch):
+def test_topk_thresholds_at_their_own_tiles(topk, config, mask):
     """On Hopper the threshold kernels run at their own tiles (threshold_config), whatever the
     attention kernel's: only right if both compute every score bit for bit the same, so that each
     row keeps the same keys as with thresholds found at the attention's tiles (equal outputs).
@@ -82,11 +78,22 @@ def test_topk_thresholds_at_their_own_tiles(topk, config, mask, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the threshold kernels share the attention's tiles off Hopper")
     q, k, v = rand_qkv(2, 8, 2, 2000, 2000, 128, torch.bfloat16, device="cuda")
-    assert forward.threshold_config(config, q.device) != config
-    own, _ = attention_forward(q, k, v, mask, topk=topk, config=config)
-    with monkeypatch.context() as m:
-        m.setattr(forward, "threshold_config", lambda config, device: config)
-        shared, _ = attention_forward(q, k, v, mask, topk=topk, config=config)
+    assert threshold_config(config, q.device, TopkTuning()) != config
+    shape = check_qkv(q, k, v, kernel=True)
+    bound, structure = forward.blocks(q, attngen.masks.as_mask(mask), shape, config)
+    scale = 128 ** -0.5
+
+    def attention(own):
+        thr = Thresholds(q, k, bound, structure, shape, scale, topk, config, own=own).run(q, k)
+        out, lse = poisoned_like(q)
+        use_tma = config.use_tma and tma_eligible(q, k, v)
+        if use_tma:
+            ensure_allocator()
+        forward.forward_launch(q, k, v, out, lse, thr, bound, structure, shape, scale, config, use_tma)()
+        return out
+
+    own = attention(None)  # threshold_config's tiles
+    shared = attention(config)  # the attention's own
     assert torch.equal(own, shared)
     assert_close(own, attngen.reference.attention(q, k, v, mask, topk=topk), torch.bfloat16)
 

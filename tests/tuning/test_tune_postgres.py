@@ -12,7 +12,8 @@ import time
 import pytest
 import yaml
 
-from attngen import cli, tune
+from attngen import cli
+from attngen.tuning import objective, tune
 
 URL = os.environ.get("ATTNGEN_TEST_POSTGRES_URL", "")
 TRIALS = 8
@@ -86,7 +87,7 @@ def test_two_workers_share_a_study_that_a_later_run_resumes(tmp_path):
     assert TRIALS <= len(complete) <= TRIALS + len(workers), [t.state.name for t in trials]
     assert len({t.number for t in trials}) == len(trials)
     assert not [(t.number, t.state.name) for t in trials if t.state in (State.RUNNING, State.FAIL)]
-    statuses = {tune.OK, tune.INVALID, tune.FAILED, tune.WRONG}
+    statuses = {objective.OK, objective.INVALID, objective.FAILED, objective.WRONG}
     assert all(t.user_attrs.get("status") in statuses for t in complete), [t.user_attrs for t in complete]
     host = socket.gethostname()
     assert {t.user_attrs.get("worker") for t in complete} == {f"{host}:{proc.pid}" for proc, _ in workers}

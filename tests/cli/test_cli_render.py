@@ -1,0 +1,84 @@
+"""`attngen render` and `attngen masks`: the exact kernel source a call runs, the kernel cache, and
+the templates attngen can see (custom folders included)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from attngen import cli
+from attngen import masks as masks_
+from attngen.kernels.launch import kernel_templates, render_kernel
+from attngen.render import source_path
+from attngen.masks import template_files as templates_
+from helpers import DILATED, DEVICE, attngen_cmd, cli_env
+
+
+
+
+def render(capsys, *args):
+    code = cli.main(["render", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("template,kernels", [("forward", ["attention_fwd"]),
+                                              ("topk", ["topk_bracket", "topk_capture", "topk_select",
+                                                        "topk_threshold"])])
+def test_render_prints_the_kernel_template(capsys, template, kernels):
+    spec = "causal & softcap(cap=2.0)"
+    code, out, err = render(capsys, "--mask", spec, *(["--template", template] if template != "forward" else []))
+    assert code == 0
+    assert out == render_kernel(template, masks_.parse_spec(spec))
+    assert out.startswith(f"# Rendered by attngen from templates/kernels/{template}.py.jinja")
+    assert "# mask: causal(align='top_left') & softcap\n" in out and "_tanh" in out
+    for kernel in kernels:
+        assert f"\ndef {kernel}(" in out
+    assert err == f"# cached as {source_path(out)}\n"
+
+
+def test_render_refuses_an_unknown_template(capsys):
+    code, out, err = render(capsys, "--template", "fwd")
+    assert code == 2 and out == ""
+    assert f"attngen render: error: --template must be one of {', '.join(kernel_templates())}, got 'fwd'" in err
+
+
+def test_template_folders_from_the_option_and_the_environment(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "env"
+    folder.mkdir()
+    (folder / "dilated.yaml").write_text(DILATED)
+    code, out, err = render(capsys, "--mask", "dilated")
+    assert code == 2 and "unknown mask 'dilated'" in err
+    registered = templates_.registered_dirs()
+    assert cli.main(["--template-dir", str(folder), "render", "--mask", "dilated & softcap(cap=2.0)"]) == 0
+    out = capsys.readouterr().out
+    assert "% t0_dilation" in out and "_tanh" in out
+    templates_.set_registered_dirs(registered)
+    monkeypatch.setenv("ATTNGEN_TEMPLATE_PATH", str(folder))
+    assert cli.main(["masks"]) == 0
+    listing = capsys.readouterr().out
+    assert f"dilated (mask) - {folder / 'dilated.yaml'}" in listing and "param dilation: int >= 1" in listing
+    assert "causal (mask)" in listing and "softcap (score)" in listing and "param cap: float >= 0.001" in listing
+
+
+def test_rendered_source_is_cached_and_reused_across_processes(tmp_path):
+    env = cli_env(tmp_path, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "0"))
+    script = textwrap.dedent(f"""
+        import torch, attngen
+        q = torch.randn(1, 1, 20, 16, device="{DEVICE}")
+        attngen.attention(q, q, q, mask="causal")
+    """)
+    kernels = tmp_path / "cache" / "kernels"
+    for run in range(2):
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=tmp_path)
+        files = list(kernels.glob("*.py"))
+        assert len(files) == 1
+        if run == 0:
+            first = (files[0], files[0].stat().st_mtime_ns)
+    assert (files[0], files[0].stat().st_mtime_ns) == first  # the second process reused the file
+    printed = subprocess.run(attngen_cmd("render", "--mask", "causal"), env=env, capture_output=True, text=True,
+                             check=True, cwd=tmp_path)
+    assert printed.stdout == files[0].read_text()  # `attngen render` shows exactly what ran
+    assert str(files[0]) in printed.stderr

@@ -1,0 +1,310 @@
+"""The backward kernel family: dQ, dK, dV (and the gradient of the LSE) of every mask, score
+modifier, GQA, block-sparse layout, top-k and dropout, against float64 autograd through
+attngen.reference, on fresh random inputs and upstream gradients."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attngen
+from attngen.config import KernelConfig
+from attngen.kernels.backward import backward, tiles
+from attngen.kernels.forward import forward
+from attngen.checks import check_qkv
+from helpers import DEVICE, TOLERANCE, rand_qkv, rel_error
+from masks_zoo import ZOO
+
+# the gradients sum over a row or a column of a tile more than the output does: a little more room
+GRAD_TOLERANCE = {dtype: 2 * tol for dtype, tol in TOLERANCE.items()}
+
+
+def grads(q, k, v, dout, mask=None, *, dlse=None, fn=attngen.attention, **kwargs):
+    """(out, dq, dk, dv) of fn, through autograd (of out, and of the LSE where dlse is given)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        if dlse is None:
+            out = fn(q, k, v, mask=mask, **kwargs)
+            return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+        out, lse = fn(q, k, v, mask=mask, return_lse=True, **kwargs)
+        if fn is attngen.reference.attention:  # an empty row's LSE is -inf there: no gradient flows through it
+            lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        return (out.detach(), *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
+
+
+def check_grads(q, k, v, mask=None, *, dtype=None, dlse=False, **kwargs):
+    """attngen's output and gradients against float64 autograd through the reference."""
+    dout = torch.randn(q.shape, device=q.device).to(q.dtype)
+    dl = torch.randn(q.shape[:3], device=q.device) if dlse else None
+    got = grads(q, k, v, dout, mask, dlse=dl, **kwargs)
+    ref = grads(*(t.to(torch.float64) for t in (q, k, v, dout)), mask, dlse=None if dl is None else dl.double(),
+                fn=attngen.reference.attention, **kwargs)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert x.shape == r.shape and x.dtype == q.dtype, name
+        assert not torch.isnan(x).any(), f"NaN in {name}"
+        err = rel_error(x, r)
+        assert err <= GRAD_TOLERANCE[q.dtype], f"{name}: relative error {err:.3e}"
+    return got
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_mask(name):
+    """Ragged lengths (not block multiples), Sq != Sk, GQA for half the masks."""
+    heads, kv_heads = (4, 2) if len(name) % 2 else (2, 2)
+    q, k, v = rand_qkv(2, heads, kv_heads, 100, 77, 24, torch.float32)
+    check_grads(q, k, v, ZOO[name](2, heads, 100, 77, DEVICE))
+
+
+@pytest.mark.parametrize("q_len,kv_len,head_dim", [(1, 1, 16), (7, 130, 8), (257, 100, 40)])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_lengths_and_head_dims(q_len, kv_len, head_dim, mask):
+    q, k, v = rand_qkv(1, 3, 1, q_len, kv_len, head_dim, torch.float32)
+    check_grads(q, k, v, mask)
+
+
+def test_fp16_and_the_lse_gradient():
+    q, k, v = rand_qkv(1, 2, 2, 70, 90, 32, torch.float16)
+    check_grads(q, k, v, "causal", dlse=True)
+    q, k, v = rand_qkv(1, 2, 1, 50, 50, 16, torch.float32)
+    check_grads(q, k, v, attngen.mask("sliding_window", window=9), dlse=True)
+
+
+def test_a_user_score_template_is_differentiated_from_its_expression(tmp_path):
+    """The chain rule through a score modifier nobody wrote a derivative for."""
+    (tmp_path / "wobble.yaml").write_text('doc: a test modifier\nkind: score\nparams:\n  a: {type: float}\n'
+                                          'expr: "a * score + sigmoid(score) * score - minimum(score, 0.5)"\n')
+    attngen.register_template_dir(tmp_path)
+    q, k, v = rand_qkv(1, 2, 2, 60, 45, 16, torch.float32)
+    check_grads(q, k, v, attngen.mask("causal") & attngen.mask("wobble", a=0.7) & attngen.mask("softcap", cap=2.5))
+
+
+def test_fully_masked_rows_get_zero_gradients():
+    q, k, v = rand_qkv(1, 2, 2, 40, 25, 16, torch.float32)
+    mask = attngen.mask("causal", align="bottom_right")  # the first 15 queries see no key
+    ref = attngen.reference.attention(q, k, v, mask=mask, return_lse=True)[1]
+    assert torch.isinf(ref).any() and not torch.isinf(ref).all()  # some rows see nothing
+    out, dq, dk, dv = check_grads(q, k, v, mask)
+    assert (dq[torch.isinf(ref)] == 0).all()
+
+
+def test_strided_inputs_and_gradients():
+    """(B, S, H, D) tensors read through .transpose(1, 2), a transposed upstream gradient."""
+    base = [torch.randn(2, 50, 4, 16, device=DEVICE) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in base)
+    assert not q.is_contiguous()
+    dout = torch.randn(2, 50, 4, 16, device=DEVICE).transpose(1, 2)
+    got = grads(q, k, v, dout, "causal")
+    ref = grads(*(t.double() for t in (q, k, v, dout)), "causal", fn=attngen.reference.attention)
+    for x, r in zip(got, ref):
+        assert rel_error(x, r) <= GRAD_TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_topk_gradients_flow_through_the_kept_scores_only(mask):
+    q, k, v = rand_qkv(1, 2, 2, 64, 100, 16, torch.float32)
+    check_grads(q, k, v, mask, topk=7)
+
+
+def test_block_sparse_backward_visits_the_layout_only():
+    """A key block the layout hides holds NaN: a kernel that loaded it would spread it (tiles no
+    larger than the layout's blocks, as the forward's test does)."""
+    layout = attngen.layouts.random(96, 96, (32, 32), density=0.4, seed=3, heads=2, device=DEVICE)
+    layout[..., 1] = False  # key block 1 is hidden from every query block
+    q, k, v = rand_qkv(1, 2, 2, 96, 96, 16, torch.float32)
+    k[:, :, 32:64] = float("nan")
+    v[:, :, 32:64] = float("nan")
+    mask = attngen.block_sparse(layout, (32, 32))
+    shape = check_qkv(q, k, v, kernel=True)
+    config = KernelConfig(32, 32, 4, 1)
+    out, lse, _ = forward(q, k, v, mask, shape, 0.25, 0, True, config)
+    dout = torch.randn_like(q)
+    dq, dk, dv = backward(q, k, v, out, lse, None, dout, None, mask, shape, 0.25, config)
+    assert not torch.isnan(dq).any() and not torch.isnan(dk[:, :, :32]).any() and not torch.isnan(dk[:, :, 64:]).any()
+    assert (dk[:, :, 32:64] == 0).all() and (dv[:, :, 32:64] == 0).all()  # a hidden key gets no gradient
+
+
+def test_tiles_of_the_two_kernels():
+    assert tiles(KernelConfig(32, 128, 4, 3)) == ((32, 128), (128, 32))
+
+
+def test_gradients_are_deterministic():
+    q, k, v = rand_qkv(2, 4, 2, 90, 90, 16, torch.float32)
+    dout = torch.randn_like(q)
+    first = grads(q, k, v, dout, "causal")
+    second = grads(q, k, v, dout, "causal")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_finite_differences():
+    """The gradient's inner product with a random direction against central differences of the
+    output's inner product with a random upstream gradient (fp32, tiny shape)."""
+    q, k, v = rand_qkv(1, 1, 1, 20, 20, 8, torch.float32)
+    dout = torch.randn_like(q)
+    mask = attngen.mask("causal") & attngen.mask("softcap", cap=1.5)
+    _, dq, dk, dv = grads(q, k, v, dout, mask)
+    eps = 1e-2
+    for i, g in enumerate((dq, dk, dv)):
+        direction = torch.randn_like(g)
+        plus, minus = [list((q, k, v)) for _ in range(2)]
+        plus[i], minus[i] = plus[i] + eps * direction, minus[i] - eps * direction
+        with torch.no_grad():
+            difference = attngen.attention(*plus, mask=mask) - attngen.attention(*minus, mask=mask)
+            numeric = (difference * dout).sum() / (2 * eps)
+        analytic = (g * direction).sum()
+        assert abs(float(numeric - analytic)) <= 2e-3 * max(1.0, abs(float(analytic))), (i, numeric, analytic)
+
+
+# ---------------------------------------------------------------------------------------
+# dropout
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_dropout_matches_the_reference_with_the_mask_the_call_used(mask):
+    q, k, v = rand_qkv(1, 2, 1, 70, 50, 16, torch.float32)
+    p = 0.3
+    torch.manual_seed(11)
+    got = grads(q, k, v, torch.ones_like(q), mask, dropout_p=p)
+    torch.manual_seed(11)
+    keep = attngen.dropout_mask(q, k, p)
+    ref = grads(*(t.double() for t in (q, k, v, torch.ones_like(q))), mask, fn=attngen.reference.attention,
+                dropout_p=p, dropout_mask=keep)
+    for x, r in zip(got, ref):
+        assert rel_error(x, r) <= GRAD_TOLERANCE[torch.float32]
+
+
+def test_dropout_keep_rate_and_seeds():
+    q = torch.randn(2, 4, 64, 16, device=DEVICE)
+    torch.manual_seed(5)
+    first = attngen.dropout_mask(q, q, 0.2)
+    second = attngen.dropout_mask(q, q, 0.2)  # the generator moved on: another mask
+    torch.manual_seed(5)
+    again = attngen.dropout_mask(q, q, 0.2)
+    assert torch.equal(first, again) and not torch.equal(first, second)
+    n = first.numel()
+    rate = float(first.float().mean())
+    assert abs(rate - 0.8) < 5 * (0.8 * 0.2 / n) ** 0.5, rate  # within 5 standard deviations of a fair draw
+    assert attngen.dropout_mask(q, q, 0.0).all()
+
+
+def test_dropout_zero_is_the_plain_kernel():
+    q, k, v = rand_qkv(1, 2, 2, 40, 40, 16, torch.float32)
+    assert torch.equal(attngen.attention(q, k, v, dropout_p=0.0), attngen.attention(q, k, v))
+
+
+# ---------------------------------------------------------------------------------------
+# training, and what cannot be differentiated
+# ---------------------------------------------------------------------------------------
+class TinyModel(torch.nn.Module):
+    """Two causal self-attention layers with projections, for a few steps of training."""
+
+    def __init__(self, attention, dim=16, heads=2):
+        super().__init__()
+        self.attention, self.heads = attention, heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim) for _ in range(2))
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        for layer in self.qkv:
+            q, k, v = layer(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            x = x + self.attention(q, k, v, mask="causal").transpose(1, 2).reshape(b, s, d)
+        return self.out(x)
+
+
+def test_a_tiny_model_trains_like_the_reference():
+    def reference(q, k, v, mask):
+        return attngen.reference.attention(q, k, v, mask=mask).to(q.dtype)
+
+    torch.manual_seed(0)
+    models = [TinyModel(attngen.attention).to(DEVICE), TinyModel(reference).to(DEVICE)]
+    models[1].load_state_dict(models[0].state_dict())
+    data = torch.randn(2, 33, 16, device=DEVICE)
+    target = torch.randn(2, 33, 16, device=DEVICE)
+    losses = [[], []]
+    for model, record in zip(models, losses):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(4):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(data), target)
+            loss.backward()
+            optimizer.step()
+            record.append(float(loss.detach()))
+    assert losses[0][-1] < losses[0][0]
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-4 * abs(b), losses
+
+
+def test_mask_tensors_that_require_grad_are_refused():
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 16, 16, 16, torch.float32))
+    slopes = torch.tensor([0.5, 0.25], device=DEVICE, requires_grad=True)
+    with pytest.raises(TypeError, match="'alibi' parameter 'slopes' requires grad"):
+        attngen.attention(q, k, v, mask=attngen.mask("alibi", slopes=slopes))
+    with torch.no_grad():  # without gradients it runs
+        attngen.attention(q, k, v, mask=attngen.mask("alibi", slopes=slopes))
+
+
+def test_a_score_modifier_without_a_derivative_is_a_clear_error(tmp_path):
+    (tmp_path / "stairs.yaml").write_text('doc: integer steps\nkind: score\nexpr: "score // 1.0 + score % 2.0"\n')
+    attngen.register_template_dir(tmp_path)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 16, 16, 16, torch.float32))
+    with pytest.raises(ValueError, match="cannot differentiate this mask's score modifiers.*stairs|score % 2.0"):
+        attngen.attention(q, k, v, mask=attngen.mask("stairs"))
+
+
+@pytest.mark.parametrize("dropout_p,error", [(1.0, ValueError), (-0.1, ValueError), ("0.1", TypeError)])
+def test_bad_dropout(dropout_p, error):
+    q, k, v = rand_qkv(1, 2, 2, 16, 16, 16, torch.float32)
+    with pytest.raises(error, match="dropout_p"):
+        attngen.attention(q, k, v, dropout_p=dropout_p)
+
+
+def test_backward_kernels_compile_for_hopper(tmp_path):
+    """The backward with dropout, a mask and a score modifier, compiled for sm_90 in a child
+    process as a CUDA launch would build it."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-m", "attngen.tools.cross_compile", "backward", "64", "128", "8", "3",
+                             "causal & softcap(cap=30.0)", "1"], capture_output=True, text=True, timeout=900,
+                            env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    kernels = [line.split()[1] for line in result.stdout.splitlines()]
+    assert kernels == ["attention_bwd_preprocess", "attention_bwd_dkdv", "attention_bwd_dq"]
+
+
+# ---------------------------------------------------------------------------------------
+# on the GPU
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["none", "causal", "sliding_window", "document", "block_sparse&causal", "alibi",
+                                  "chunked&causal&softcap"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_realistic_shape_against_fp32(name, dtype):
+    """B=4 H=16 S=4096 D=128 (GQA 4:1 for half the masks) against float32 autograd through the
+    reference on batch 0 (the float64 reference of the whole call does not fit)."""
+    batch, heads, seq, head_dim = 4, 16, 4096, 128
+    kv_heads = 4 if len(name) % 2 else heads
+    q, k, v = rand_qkv(batch, heads, kv_heads, seq, seq, head_dim, dtype, device="cuda")
+    mask = ZOO[name](batch, heads, seq, seq, "cuda")
+    dout = torch.randn_like(q)
+    got = grads(q, k, v, dout, mask)
+    one = ZOO[name](1, heads, seq, seq, "cuda") if name in ("document", "block_sparse&causal") else mask
+    if name in ("document", "block_sparse&causal"):
+        got = grads(q[:1], k[:1], v[:1], dout[:1], one)
+    ref = grads(*(t[:1].float() for t in (q, k, v, dout)), one, fn=attngen.reference.attention)
+    for label, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = rel_error(x[:1], r)
+        assert err <= GRAD_TOLERANCE[dtype], f"{label}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+def test_realistic_dropout_keep_rate_and_determinism():
+    q, k, v = rand_qkv(2, 8, 8, 2048, 2048, 64, torch.bfloat16, device="cuda")
+    dout = torch.randn_like(q)
+    torch.manual_seed(3)
+    first = grads(q, k, v, dout, "causal", dropout_p=0.1)
+    torch.manual_seed(3)
+    second = grads(q, k, v, dout, "causal", dropout_p=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    keep = attngen.dropout_mask(q[:1, :2], k[:1, :2], 0.1)
+    assert abs(float(keep.float().mean()) - 0.9) < 1e-3

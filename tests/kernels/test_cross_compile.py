@@ -1,0 +1,54 @@
+"""The threshold kernels compiled for sm_90 on any machine (attngen.tools.cross_compile, in a child
+process: the interpreter, once on in this one, cannot compile)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attngen.kernels import topk
+from attngen.kernels.topk import TopkTuning
+
+SM90_SHARED = 233472  # shared memory of an sm_90 SM, of which each resident program reserves 1 KB
+SM90_RESERVED = 1024
+
+
+def cross_compile(tmp_path, *args):
+    """`python -m attngen.tools.cross_compile ARGS` without the interpreter, outside the source tree."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-m", "attngen.tools.cross_compile", *map(str, args)], capture_output=True,
+                          text=True, timeout=900, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("config,topk_", [("16 16 4 1 0", 64), ("64 64 4 3 1", 64), ("64 64 4 3 1", 256)],
+                         ids=["16x16", "64x64 TMA", "64x64 TMA K=256"])
+def test_threshold_kernels_compile_for_hopper(tmp_path, config, topk_):
+    """The interpreter runs code that a GPU compiler may refuse (an int8 dot over 16 keys did, and
+    only the GPU run noticed): compile the threshold kernels for sm_90, as a CUDA launch would, at
+    the smallest key blocks and at the threshold tiles of sm_90: topk_bracket, topk_capture (without
+    and with the count above hi at K=64, one launch for every tile at K=256, where the rows have a
+    hi end), topk_select and topk_threshold."""
+    result = cross_compile(tmp_path, "topk", *config.split(), topk_, 4096)
+    block_n, warps = (int(x) for x in config.split()[1:3])
+    sizes = topk.topk_sizes(topk_, 4096, block_n, TopkTuning())
+    assert len(sizes.captures) == (1 if topk_ == 256 else 2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    kernels = [line.split()[1] for line in result.stdout.splitlines()]
+    assert kernels == ["topk_bracket"] + ["topk_capture"] * len(sizes.captures) + ["topk_select", "topk_threshold"]
+    # the captures leave room in an SM's shared memory for the programs an SM they are sized for
+    # (compiled into one kernel, the two passes took 88 KB, room for 2 where 3 were meant to run)
+    programs = topk.capture_setup(sizes, 4096, TopkTuning())[1]
+    shared = {}
+    for line in result.stdout.splitlines():
+        shared.setdefault(line.split()[1], []).append(int(line.split()[2]))
+    assert all(programs * (size + SM90_RESERVED) <= SM90_SHARED for size in shared["topk_capture"])
+    # so does the bracket, whose sampled blocks are loaded through a pipeline (66.5 KB at 3 stages)
+    bracket = shared["topk_bracket"][0]
+    assert TopkTuning().bracket_sm_warps // warps * (bracket + SM90_RESERVED) <= SM90_SHARED, bracket
+
+
+def test_cross_compile_explains_itself(tmp_path):
+    result = cross_compile(tmp_path, "decode", 1)
+    assert result.returncode == 2 and "python -m attngen.tools.cross_compile topk BLOCK_M" in result.stderr

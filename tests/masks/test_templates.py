@@ -1,0 +1,112 @@
+"""Mask templates: custom folders, tensor parameters, the expression language, errors, duplicates."""
+
+
+import pytest
+import torch
+
+import attngen
+from attngen.masks import template_files as templates_
+from helpers import DILATED, DEVICE, check_forward, rand_qkv
+
+
+
+KEY_PADDING = """\
+doc: Key padding from a per-batch validity tensor (nonzero = real token).
+params:
+  keep: {type: tensor, shape: [batch, kv_len], dtype: int}
+expr: "keep[b, kv_idx] != 0"
+"""
+
+# negative operands: // and % truncate toward zero in the kernel and in the reference alike
+SIGNED = """\
+params:
+  period: {type: int}
+  flip: {type: bool, default: false}
+expr: "{% if flip %}~{% endif %}((kv_idx - q_idx) // period % 2 == 0)"
+"""
+
+
+def write(folder, name, text):
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.yaml").write_text(text)
+    return folder
+
+
+def test_custom_template_end_to_end(tmp_path):
+    folder = write(tmp_path / "mine", "dilated", DILATED)
+    write(folder, "key_padding", KEY_PADDING)
+    write(folder, "signed", SIGNED)
+    attngen.register_template_dir(folder)
+    q, k, v = rand_qkv(2, 2, 2, 90, 120, 32, torch.float16)
+    check_forward(q, k, v, attngen.mask("dilated", dilation=3))
+    keep = (torch.rand(2, 120) > 0.3).to(torch.int32).to(DEVICE)
+    check_forward(q, k, v, attngen.mask("key_padding", keep=keep) & attngen.mask("causal", align="bottom_right"))
+    check_forward(q, k, v, attngen.mask("signed", period=5))
+    check_forward(q, k, v, attngen.mask("signed", period=-7, flip=True) | attngen.mask("dilated", dilation=2))
+    # a dilation of 3 hides two keys in three: the reference agrees with a hand count
+    w = attngen.reference.attention(torch.zeros(1, 1, 7, 16), torch.zeros(1, 1, 7, 16),
+                                    torch.eye(7, 16).view(1, 1, 7, 16), attngen.mask("dilated", dilation=3))
+    assert torch.allclose(w[0, 0, 6, :7], torch.tensor([1 / 3, 0, 0, 1 / 3, 0, 0, 1 / 3], dtype=torch.float64))
+
+
+def test_registered_folders_are_listed_and_restored(tmp_path):
+    folder = write(tmp_path / "mine", "dilated", DILATED)
+    before = templates_.registered_dirs()
+    generation = templates_.generation()
+    attngen.register_template_dir(folder)
+    assert templates_.registered_dirs() == before + [folder.resolve()]
+    assert templates_.template_dirs()[-1] == folder.resolve()
+    assert "dilated" in attngen.templates() and templates_.generation() > generation
+    templates_.set_registered_dirs(before)
+    assert "dilated" not in attngen.templates()
+    with pytest.raises(ValueError, match="unknown mask 'dilated'"):
+        attngen.mask("dilated", dilation=2)
+
+
+def test_every_builtin_template_has_a_doc_and_loads():
+    builtin = templates_.template_dirs()[0]
+    assert sorted(p.stem for p in builtin.glob("*.yaml")) == sorted(attngen.templates())
+    assert len(attngen.templates()) == 8
+    for name, template in attngen.templates().items():
+        assert template.doc, f"{name} has no doc"
+        assert templates_.load_template(template.path).expr_text == template.expr_text
+        assert templates_.get_template(name) is template
+
+
+@pytest.mark.parametrize("text,message", [
+    ("expr: 'kv_idx <= q_idx +'", "syntax error"),
+    ("expr: 'kv_idx <= nonsense'", "unknown name 'nonsense'"),
+    ("expr: 'open(q_idx)'", "unknown function 'open'"),
+    ("expr: 'q_idx.real'", "Attribute is not allowed"),
+    ("params:\n  t: {type: tensor, shape: [kv_len], dtype: int}\nexpr: 't == 1'", "must be indexed"),
+    ("params:\n  t: {type: tensor, shape: [kv_len], dtype: int}\nexpr: 't[q_idx, kv_idx] == 1'",
+     "has 1 dimension"),
+])
+def test_expression_errors_name_file_and_line(tmp_path, text, message):
+    folder = write(tmp_path / "bad", "broken", "doc: broken\n" + text + "\n")
+    attngen.register_template_dir(folder)
+    with pytest.raises(attngen.TemplateError, match=message) as info:
+        attngen.mask("broken", **({} if "tensor" not in text else {"t": torch.zeros(3, dtype=torch.int32)})).terms()[0].expr
+    assert f"broken.yaml:{text.count(chr(10)) + 2}" in str(info.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("expr: 'kv_idx <= {% if x %}q_idx'", r"broken.yaml:2: TemplateSyntaxError"),
+    ("expr: 'kv_idx <= {{ undefined_thing }}'", r"broken.yaml:2: UndefinedError: 'undefined_thing' is undefined"),
+    ("params: {w: {type: int, default: 1.5}}\nexpr: 'kv_idx < w'", "bad default"),
+    ("params: {w: {type: nope}}\nexpr: 'kv_idx < w'", "needs a type"),
+    ("kind: other\nexpr: 'True'", "kind must be mask or score"),
+    ("expr: [1, 2\n", "not valid YAML"),
+])
+def test_template_file_errors(tmp_path, text, message):
+    folder = write(tmp_path / "bad", "broken", "doc: broken\n" + text + "\n")
+    attngen.register_template_dir(folder)
+    with pytest.raises(attngen.TemplateError, match=message):
+        attngen.mask("broken").terms()[0].expr
+
+
+def test_duplicate_template_names(tmp_path):
+    folder = write(tmp_path / "dup", "causal", "expr: kv_idx <= q_idx\n")
+    attngen.register_template_dir(folder)
+    with pytest.raises(attngen.TemplateError, match="'causal' is defined twice"):
+        attngen.mask("causal")
