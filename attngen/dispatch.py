@@ -23,7 +23,7 @@ from . import masks as masks_
 from .checks import check_qkv, check_topk, topk_pad
 from .config import KernelConfig, arch_of
 from .dtypes import NAMES as DTYPE_NAMES
-from .families import FAMILIES, KernelFamily, query_rows
+from .families import KernelFamily, family, query_rows
 from .tuning import registry as registry_
 
 log = logging.getLogger("attngen")
@@ -122,8 +122,9 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
 
 def choose(q, k, v, mask=None, *, topk=None, kernel: str = "fwd") -> Choice:
     """The config a call with these inputs would run, and where it came from."""
+    family_ = family(kernel)
     shape = check_qkv(q, k, v, kernel=True)
-    return choose_config(FAMILIES[kernel], q, shape, masks_.as_mask(mask), check_topk(topk, shape.kv_len))
+    return choose_config(family_, q, shape, masks_.as_mask(mask), check_topk(topk, shape.kv_len))
 
 
 def explain(q, k, v, mask=None, *, topk=None) -> str:

@@ -89,7 +89,8 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
     by_key = masks_.block_structure(mask, shape.q_len, shape.kv_len, (bm1, bn1), batch=shape.batch,
                                     heads=shape.heads, device=q.device, bound=bound, by_key=True)
     dkdv = Launch(module.attention_bwd_dkdv, (math.ceil(shape.kv_len / bn1), shape.batch * shape.kv_heads),
-                  dict(call, **tensor_args("dk", dk, "bhnd"), **tensor_args("dv", dv, "bhnd"), **structure_args(by_key)),
+                  dict(call, **tensor_args("dk", dk, "bhnd"), **tensor_args("dv", dv, "bhnd"),
+                       **structure_args(by_key)),
                   dict(options, BLOCK_M=bm1, BLOCK_N=bn1, CONTIGUOUS=by_key.contiguous, FWD_ORIENT=topk))
 
     # dQ: a program per query block and head

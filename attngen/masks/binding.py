@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..expr import SCORE_NAME, TensorRef
-from .templates import BROADCAST_DIMS, MISSING, Param, dim_size, split_dim
+from .template_files import BROADCAST_DIMS, MISSING, Param, dim_size, split_dim
 
 
 def is_term(node) -> bool:

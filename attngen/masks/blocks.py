@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .binding import Bound, bind, evaluate_visible, index_env, is_term, predicate_names, tree_terms
-from .templates import split_dim
+from .template_files import split_dim
 
 
 EMPTY, PARTIAL, FULL = 0, 1, 2

@@ -12,10 +12,10 @@ import functools
 
 import torch
 
-from . import templates as templates_
+from . import template_files as templates_
 from .binding import is_term
 from .blocks import BlockStructure, block_structure
-from .templates import MISSING, Template, get_template
+from .template_files import MISSING, Template, get_template
 
 
 class Term:

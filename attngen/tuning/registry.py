@@ -44,7 +44,7 @@ ENTRY_FIELDS = KEY_FIELDS + ("config", "ms", "tflops", "sdpa_ms", "trials", "tri
 FILE_FIELDS = ("version", "gpu", "device_name", "entries")
 
 # libyaml's parser and emitter when PyYAML has them: the same safe (de)constructors, several times
-# faster, and the same bytes as PyYAML's pure-Python emitter (tests/test_registry.py checks)
+# faster, and the same bytes as PyYAML's pure-Python emitter (tests/tuning/test_registry.py checks)
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _SAFE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 # block style, except configs (mappings of scalars only) on one line; no line wrapping
