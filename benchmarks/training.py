@@ -125,6 +125,23 @@ def step_of(fn, q, k, v, dout):
     return step
 
 
+def write(out: Path, env: dict, rows: list, dtype: str, shape: tuple) -> None:
+    b, h, s, d = shape
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "training.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    md = [f"{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {dtype}, "
+          f"B={b} H={h} S={s} D={d}, forward + backward", "",
+          "| case | method | ms | TFLOP/s | peak MiB | max rel. error |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            md.append(f"| {r['case']} | {r['method']} | n/a | n/a | n/a | {r['skipped']} |")
+        else:
+            err = f"{r['error']:.1e}" if "error" in r else "(dropout: not compared)"
+            md.append(f"| {r['case']} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_mib']:.0f} | "
+                      f"{err} |")
+    (out / "training.md").write_text("\n".join(md) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4,16,4096,128", help="B,H,S,D")
@@ -170,21 +187,8 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "training.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    md = [f"{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {args.dtype}, "
-          f"B={b} H={h} S={s} D={d}, forward + backward", "",
-          "| case | method | ms | TFLOP/s | peak MiB | max rel. error |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "skipped" in r:
-            md.append(f"| {r['case']} | {r['method']} | n/a | n/a | n/a | {r['skipped']} |")
-        else:
-            err = f"{r['error']:.1e}" if "error" in r else "(dropout: not compared)"
-            md.append(f"| {r['case']} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['peak_mib']:.0f} | "
-                      f"{err} |")
-    (out / "training.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+        write(Path(args.out), env, rows, args.dtype, (b, h, s, d))  # after every case: a cut run keeps its rows
+    print((Path(args.out) / "training.md").read_text())
     return 0
 
 
