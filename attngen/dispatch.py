@@ -128,6 +128,11 @@ def choose(q, k, v, mask=None, *, topk=None, kernel: str = "fwd") -> Choice:
 
 
 def explain(q, k, v, mask=None, *, topk=None) -> str:
-    """Says which config `attention(q, k, v, mask=mask, topk=topk)` would use, and why."""
-    choice = choose(q, k, v, mask, topk=topk)
-    return f"{choice.kernel} kernel, variant {choice.variant}; {q.dtype}; config {choice.config}; from {choice.source}"
+    """Says which config `attention(q, k, v, mask=mask, topk=topk)` would use, and why; for inputs
+    that require grad, the backward's too."""
+    lines = []
+    for kernel in ("fwd", "bwd") if (q.requires_grad or k.requires_grad or v.requires_grad) else ("fwd",):
+        choice = choose(q, k, v, mask, topk=topk, kernel=kernel)
+        lines.append(f"{choice.kernel} kernel, variant {choice.variant}; {q.dtype}; config {choice.config}; "
+                     f"from {choice.source}")
+    return "\n".join(lines)

@@ -113,6 +113,11 @@ def test_a_choice_per_kernel_family(tmp_path, clean_dispatch):
     assert "no registry entry" in forward.source
     assert forward.config == FAMILIES["fwd"].fit(default_entry("fwd", arch_of(q.device), 32)[0], 40)[0]
     assert backward.config == bwd_config and "exact entry" in backward.source
+    # explain names the backward's config where the inputs require grad
+    lines = attngen.explain(q.requires_grad_(), k, v).splitlines()
+    assert lines[0].startswith("fwd kernel") and lines[1].startswith("bwd kernel")
+    assert f"config {bwd_config}; from registry: exact entry" in lines[1]
+    assert len(attngen.explain(q.detach(), k, v).splitlines()) == 1
     short = rand_qkv(1, 2, 2, 3, 64, 32, torch.float16)
     bwd_default = default_entry("bwd", arch_of(q.device), 32)[0]
     dispatch.use_registry(None)
