@@ -88,8 +88,8 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
         ],
     },
     # backward: dK/dV runs (block_m, block_n) tiles, dQ (block_n, block_m) (attngen.kernels.backward.tiles).
-    # sm90 D <= 128: the fastest of benchmarks/bwd_configs.py's configs on an H200 (bf16, B=4 H=16
-    # S=4096, dense and causal; benchmarks/RESULTS.md); the other rows are untuned starting points
+    # sm90 D <= 128: within 1% (dense) and 2% (causal) of the best of the 12 configs benchmarks/bwd_configs.py
+    # tried on an H200 (bf16, B=4 H=16 S=4096; benchmarks/RESULTS.md); the other rows are untuned starting points
     "bwd": {
         "sm90": [
             (128, KernelConfig(64, 128, 8, 3)),
