@@ -8,6 +8,7 @@ import torch
 from . import dispatch
 from . import masks as masks_
 from .checks import check_dropout, check_qkv, check_scale, check_topk, draw_seed
+from .expr import SCORE_NAME
 from .families import BACKWARD, FORWARD
 from .kernels.autograd import AttentionFunction
 from .kernels.forward import Plan, forward
@@ -80,6 +81,7 @@ def _check_differentiable(m) -> None:
                 raise TypeError(f"mask {term.template.name!r} parameter {name!r} requires grad: attngen computes no "
                                 "gradient for mask parameters (detach it, or use attngen.reference for such a model)")
     try:
-        masks_.triton_score_grads(m)
+        for term in m.mods:
+            term.expr.derivative(SCORE_NAME)  # cached on the expression: computed once per template
     except ValueError as e:
         raise ValueError(f"attngen cannot differentiate this mask's score modifiers: {e}") from None

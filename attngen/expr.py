@@ -157,6 +157,7 @@ class Expr:
         self._tensors = tensors
         self.names: set[str] = set()
         self._check(self._tree)
+        self._derivatives: dict[str, Expr] = {}
 
     # -- validation ---------------------------------------------------------------------
     def _check(self, node):
@@ -251,8 +252,10 @@ class Expr:
         """d(expression) / d(name) as an expression of the same language (where the expression
         branches, the derivative of the branch taken; integer operators and conditions have none).
         Raises ExprError where `name` enters something without a derivative (`//`, `%`, an index)."""
-        tree = _simplify(self._derive(self._tree, name))
-        return Expr(ast.unparse(tree), self._allowed, self._tensors)
+        if name not in self._derivatives:
+            tree = _simplify(self._derive(self._tree, name))
+            self._derivatives[name] = Expr(ast.unparse(tree), self._allowed, self._tensors)
+        return self._derivatives[name]
 
     def _derive(self, node, x: str):
         d = lambda n: self._derive(n, x)  # noqa: E731

@@ -51,10 +51,14 @@ def forward_launch(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructu
     return Launch(kernel, (math.ceil(shape.q_len / bm), shape.batch * shape.heads), args, options)
 
 
-def _outputs(q, shape, return_lse: bool):
-    out = torch.empty_like(q)
-    lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device) \
-        if return_lse else None
+def _outputs(q, shape, return_lse: bool, out=None, lse=None):
+    """The output (like q) and, with return_lse, the LSE ((B, Hq, Sq) fp32): those given, else new."""
+    if out is None:
+        out = torch.empty_like(q)
+    if not return_lse:
+        return out, None
+    if lse is None:
+        lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device)
     return out, lse
 
 
@@ -97,12 +101,7 @@ def forward(q, k, v, mask, shape, scale: float, topk: int, return_lse: bool, con
     (output, lse or None, the top-k thresholds or None), the thresholds as Thresholds.run gives
     them (the backward needs them)."""
     bound, structure = blocks(q, mask, shape, config)
-    if out is None:
-        out = torch.empty_like(q)
-    if return_lse and lse is None:
-        lse = torch.empty((shape.batch, shape.heads, shape.q_len), dtype=torch.float32, device=q.device)
-    if not return_lse:
-        lse = None
+    out, lse = _outputs(q, shape, return_lse, out, lse)
     use_tma = config.use_tma and tma_eligible(q, k, v)
     thr = None
     if shape.q_len > 0:
