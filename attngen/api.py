@@ -7,10 +7,10 @@ import torch
 
 from . import dispatch
 from . import masks as masks_
+from . import ops
 from .checks import check_dropout, check_qkv, check_scale, check_topk, draw_seed
-from .expr import SCORE_NAME
 from .families import BACKWARD, FORWARD
-from .kernels.autograd import AttentionFunction
+from .kernels.autograd import AttentionFunction, check_mask_grads, check_modifiers
 from .kernels.forward import Plan, forward
 
 _plans: dict[tuple, Plan] = {}
@@ -30,6 +30,8 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     as SDPA does (pass 0 outside training); the mask is drawn from torch's default generator.
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
     """
+    if torch.compiler.is_compiling():  # torch.compile / export record the attngen::attention operator
+        return ops.attention(q, k, v, mask, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p)
     m = masks_.as_mask(mask)
     tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     grad = torch.is_grad_enabled() and tensors and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -62,26 +64,10 @@ def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
     dropout_p = check_dropout(dropout_p)
     seed = draw_seed() if dropout_p > 0 else 0
     if grad:
-        _check_differentiable(m)
+        check_mask_grads(m)
+        check_modifiers(m)
         bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk).config
         out, lse = AttentionFunction.apply(q, k, v, m, shape, scale, topk, config, bwd_config, dropout_p, seed)
     else:
         out, lse, _ = forward(q, k, v, m, shape, scale, topk, return_lse, config, dropout_p=dropout_p, seed=seed)
     return (out, lse) if return_lse else out
-
-
-def _check_differentiable(m) -> None:
-    """Mask tensors get no gradient: a float one that requires grad is an error, not a silent zero;
-    a score modifier without a derivative is an error before the forward runs."""
-    if m is None:
-        return
-    for term in m.terms():
-        for name, value in term.values.items():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise TypeError(f"mask {term.template.name!r} parameter {name!r} requires grad: attngen computes no "
-                                "gradient for mask parameters (detach it, or use attngen.reference for such a model)")
-    try:
-        for term in m.mods:
-            term.expr.derivative(SCORE_NAME)  # cached on the expression: computed once per template
-    except ValueError as e:
-        raise ValueError(f"attngen cannot differentiate this mask's score modifiers: {e}") from None

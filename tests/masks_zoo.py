@@ -30,6 +30,18 @@ def _layout(b, h, sq, sk, dev):
     return attngen.block_sparse(layout, (64, 48))
 
 
+def _keep(b, h, sq, sk, dev):
+    """A dense boolean mask (SDPA's attn_mask), the same for every head, two rows with no key."""
+    keep = torch.rand(b, 1, sq, sk, device=dev) < 0.6
+    keep[:, :, 1:3] = False
+    return attngen.mask("keep", keep=keep)
+
+
+def _bias(b, h, sq, sk, dev):
+    """An additive float bias per head, broadcast over the batch (SDPA's float attn_mask)."""
+    return attngen.mask("bias", bias=torch.randn(1, h, sq, sk, device=dev))
+
+
 M = attngen.mask
 ZOO = {
     "none": lambda b, h, sq, sk, dev: None,
@@ -45,6 +57,8 @@ ZOO = {
     "alibi": _alibi,
     "softcap": lambda b, h, sq, sk, dev: M("softcap", cap=3.0),
     "block_sparse": _layout,
+    "keep": _keep,
+    "bias": _bias,
     "block_sparse_shared": lambda b, h, sq, sk, dev: attngen.block_sparse(  # one (Sq blocks, Sk blocks) layout
         attngen.layouts.strided(sq, sk, (16, 16), local=2, stride=3, device=dev)[0, 0], (16, 16)),
     # combinations
@@ -54,6 +68,7 @@ ZOO = {
     "causal&document": lambda b, h, sq, sk, dev: M("causal") & _doc(b, h, sq, sk, dev),
     "sliding_window|prefix_lm": lambda b, h, sq, sk, dev: M("sliding_window", window=16) | M("prefix_lm", prefix=40),
     "chunked&causal&softcap": lambda b, h, sq, sk, dev: M("chunked", chunk=64) & M("causal") & M("softcap", cap=2.0),
+    "keep&causal&bias": lambda b, h, sq, sk, dev: _keep(b, h, sq, sk, dev) & M("causal") & _bias(b, h, sq, sk, dev),
     "causal&alibi": lambda b, h, sq, sk, dev: M("causal") & _alibi(b, h, sq, sk, dev),
     "(causal|chunked)&document&alibi&softcap": lambda b, h, sq, sk, dev: (
         (M("causal") | M("chunked", chunk=32)) & _doc(b, h, sq, sk, dev) & _alibi(b, h, sq, sk, dev)

@@ -5,8 +5,31 @@ from __future__ import annotations
 
 import torch
 
+from ..expr import SCORE_NAME
 from .backward import backward
 from .forward import forward
+
+
+def check_mask_grads(m) -> None:
+    """Mask tensors get no gradient: a float one that requires grad is an error, not a silent zero."""
+    if m is None:
+        return
+    for term in m.terms():
+        for name, value in term.values.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise TypeError(f"mask {term.template.name!r} parameter {name!r} requires grad: attngen computes no "
+                                "gradient for mask parameters (detach it, or use attngen.reference for such a model)")
+
+
+def check_modifiers(m) -> None:
+    """A score modifier without a derivative is an error before the forward runs."""
+    if m is None:
+        return
+    try:
+        for term in m.mods:
+            term.expr.derivative(SCORE_NAME)  # cached on the expression: computed once per template
+    except ValueError as e:
+        raise ValueError(f"attngen cannot differentiate this mask's score modifiers: {e}") from None
 
 
 class AttentionFunction(torch.autograd.Function):

@@ -71,6 +71,23 @@ class Mask:
         scalars = tuple(t.values.get(p.name) for t in terms for p in t.runtime if p.type != "tensor")
         self.call_key = (self.key, scalars)  # plus the run-time scalars: equal keys launch identically
         self.has_tensors = any(p.type == "tensor" for t in terms for p in t.runtime)
+        # the mask as text plus its tensors (parse_spec(spec, tensors=...) rebuilds it): how a mask
+        # reaches the attngen::attention operator under torch.compile; computed here, eagerly, so
+        # that dynamo only reads two attributes
+        tensors = []
+
+        def spec_term(term):
+            shown = []
+            for name, value in term.values.items():
+                if isinstance(value, torch.Tensor):
+                    shown.append(f"{name}={_TENSOR_PREFIX}{len(tensors)}")
+                    tensors.append(value)
+                else:
+                    shown.append(f"{name}={value!r}")
+            return f"{term.template.name}({', '.join(shown)})"
+
+        self.spec = self._text(spec_term)
+        self.spec_tensors = tuple(tensors)
 
     @staticmethod
     def _structure(node):
@@ -119,7 +136,7 @@ class Mask:
             inner = f"{walk(node[1], False)} {node[0]} {walk(node[2], False)}"
             return inner if top else f"({inner})"
 
-        parts = [walk(self.tree)] if self.tree is not None else []
+        parts = [walk(self.tree, top=not self.mods)] if self.tree is not None else []  # `(a | b) & mod`
         parts += [fn(t) for t in self.mods]
         return " & ".join(parts) if parts else "none"
 
@@ -137,6 +154,73 @@ class Mask:
         return block_structure(self, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
 
 
+class TracedMask:
+    """A mask built while torch.compile traces a function (attngen.mask inside it): its terms'
+    names and values only, combined with & and | like a Mask (a Mask built outside joins in).
+    Template files cannot be read in a traced graph, so the attngen::attention operator checks the
+    values and builds the Mask when it runs; `spec()` is the text it receives."""
+
+    def __init__(self, tree):
+        self.tree = tree  # ("term", name, ((param, value), ...)) or (op, left, right)
+
+    @staticmethod
+    def of(value):
+        if isinstance(value, TracedMask):
+            return value
+        if not isinstance(value, Mask):
+            return None
+        nodes = [TracedMask._node(value.tree)] if value.tree is not None else []
+        nodes += [("term", t.template.name, tuple(t.values.items())) for t in value.mods]
+        tree = nodes[0]
+        for node in nodes[1:]:
+            tree = ("&", tree, node)
+        return TracedMask(tree)
+
+    @staticmethod
+    def _node(node):
+        if is_term(node):
+            return ("term", node.template.name, tuple(node.values.items()))
+        return (node[0], TracedMask._node(node[1]), TracedMask._node(node[2]))
+
+    def _combine(self, other, op, swap=False):
+        other = TracedMask.of(other)
+        if other is None:
+            return NotImplemented
+        left, right = (other, self) if swap else (self, other)
+        return TracedMask((op, left.tree, right.tree))
+
+    def __and__(self, other):
+        return self._combine(other, "&")
+
+    def __or__(self, other):
+        return self._combine(other, "|")
+
+    def __rand__(self, other):
+        return self._combine(other, "&", swap=True)
+
+    def __ror__(self, other):
+        return self._combine(other, "|", swap=True)
+
+    def spec(self) -> tuple[str, list]:
+        """(parse_spec text, its tensors)."""
+        tensors = []
+
+        def text(node):
+            if node[0] == "term":
+                values = []
+                for name, value in node[2]:
+                    if isinstance(value, torch.Tensor):
+                        values.append(f"{name}={_TENSOR_PREFIX}{len(tensors)}")
+                        tensors.append(value)
+                    else:
+                        values.append(f"{name}={value!r}")
+                return f"{node[1]}({', '.join(values)})"
+            return f"({text(node[1])} {node[0]} {text(node[2])})"
+
+        return text(self.tree), tensors
+
+
+_TENSOR_PREFIX = "tensor_"  # parse_spec's placeholder of the i-th tensor: tensor_0, tensor_1, ...
 _NAMED: dict[str, tuple[int, Mask]] = {}  # name -> (templates' generation, mask)
 
 
@@ -144,6 +228,8 @@ def mask(name: str, **params) -> Mask:
     """A mask (or score modifier) from the template `name` with its parameters."""
     if not isinstance(name, str):
         raise TypeError(f"mask name must be a str, got {type(name).__name__}")
+    if torch.compiler.is_compiling():
+        return TracedMask(("term", name, tuple(params.items())))
     term = Term(get_template(name), params)
     return Mask(mods=(term,)) if term.template.kind == "score" else Mask(term)
 
@@ -163,10 +249,11 @@ def as_mask(value, argument: str = "mask") -> Mask | None:
     raise TypeError(f"{argument} must be None, a mask name or an attngen mask object, got {type(value).__name__}")
 
 
-def parse_spec(text: str, *, partial: bool = False) -> Mask | None:
+def parse_spec(text: str, *, partial: bool = False, tensors=()) -> Mask | None:
     """A mask from text such as `causal & sliding_window(window=256) & softcap(cap=30.0)`.
 
     `none` is no mask. With `partial`, run-time parameters may be left out (enough to render).
+    `tensors`: the values of the placeholders tensor_0, tensor_1, ... (Mask.spec writes them).
     """
     text = text.strip()
     if text in ("", "none"):
@@ -185,7 +272,7 @@ def parse_spec(text: str, *, partial: bool = False) -> Mask | None:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
             name = node.func.id
             try:
-                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                kwargs = {kw.arg: _spec_value(kw.value, tensors) for kw in node.keywords}
             except ValueError:
                 raise ValueError(f"mask spec {text!r}: parameters must be literals (numbers, strings, booleans)") from None
         else:
@@ -194,3 +281,13 @@ def parse_spec(text: str, *, partial: bool = False) -> Mask | None:
         return Mask(mods=(term,)) if term.template.kind == "score" else Mask(term)
 
     return build(tree)
+
+
+def _spec_value(node, tensors):
+    """A parameter's value in a spec: a literal, or a tensor placeholder."""
+    if isinstance(node, ast.Name) and node.id.startswith(_TENSOR_PREFIX) and node.id[len(_TENSOR_PREFIX):].isdigit():
+        index = int(node.id[len(_TENSOR_PREFIX):])
+        if index >= len(tensors):
+            raise TypeError(f"mask spec names {node.id} but {len(tensors)} tensor(s) were given")
+        return tensors[index]
+    return ast.literal_eval(node)

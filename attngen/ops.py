@@ -1,0 +1,138 @@
+"""attngen.attention as PyTorch operators: torch.compile, torch.export and AOT autograd see one node.
+
+`attngen::attention` and `attngen::attention_backward` are custom operators (torch.library) with
+fake implementations (output shapes only) and the backward registered as the forward's autograd
+formula, so dynamo puts a call into the graph instead of tracing attngen's Python (mask objects,
+caches, the dispatcher). A mask crosses the operator boundary as its spec text and its tensors
+(`Mask.spec`, `Mask.spec_tensors`); a dropout seed as a CPU tensor drawn from torch's generator
+inside the graph, so a compiled model draws a new mask every step.
+
+attngen.attention calls `attention` below while dynamo traces (torch.compiler.is_compiling());
+eager calls keep the dispatcher's fast path, which costs less host time than an operator call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from . import masks as masks_
+from .checks import check_dropout, check_qkv, check_scale, check_topk
+from .families import BACKWARD, FORWARD
+from .kernels.autograd import check_mask_grads, check_modifiers
+from .kernels.backward import backward
+from .kernels.forward import forward
+
+_SPECS: dict[str, object] = {}  # spec text without tensors -> Mask (bounded: texts come from code, not data)
+_MAX_SPECS = 1024
+
+
+def _mask(spec: str, tensors: list[Tensor]):
+    """The Mask of a spec (a template name or `attngen.masks.parse_spec` text) and its tensors."""
+    if tensors:
+        return masks_.parse_spec(spec, tensors=tensors)
+    m = _SPECS.get(spec, _SPECS)
+    if m is _SPECS:
+        m = masks_.parse_spec(spec)
+        if len(_SPECS) >= _MAX_SPECS:
+            _SPECS.clear()
+        _SPECS[spec] = m
+    return m
+
+
+def _checked(q, k, v, spec, tensors, scale, topk):
+    m = _mask(spec, tensors)
+    shape = check_qkv(q, k, v, kernel=True)
+    return m, shape, check_scale(scale, shape.head_dim), check_topk(topk, shape.kv_len)
+
+
+def _seed(seed: Optional[Tensor]) -> int:
+    return 0 if seed is None else int(seed.item())  # a CPU tensor: no device synchronisation
+
+
+@torch.library.custom_op("attngen::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: str, mask_tensors: list[Tensor], scale: Optional[float],
+                 topk: Optional[int], dropout_p: float, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(output, lse, top-k thresholds: empty without top-k) of attngen.attention."""
+    m, shape, scale, topk = _checked(q, k, v, mask, mask_tensors, scale, topk)
+    dropout_p = check_dropout(dropout_p)
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk).config
+    out, lse, thr = forward(q, k, v, m, shape, scale, topk, True, config, dropout_p=dropout_p, seed=_seed(seed))
+    return out, lse, thr if thr is not None else q.new_empty(0, dtype=torch.float32)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, mask, mask_tensors, scale, topk, dropout_p, seed):
+    batch, heads, q_len, _ = q.shape
+    thr = 2 * batch * heads * q_len if topk is not None and topk < k.shape[2] else 0  # as check_topk
+    return (torch.empty_like(q), q.new_empty((batch, heads, q_len), dtype=torch.float32),
+            q.new_empty((thr,), dtype=torch.float32))
+
+
+@torch.library.custom_op("attngen::attention_backward", mutates_args=())
+def attention_backward_op(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                          lse: Tensor, thr: Tensor, mask: str, mask_tensors: list[Tensor], scale: Optional[float],
+                          topk: Optional[int], dropout_p: float, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of attngen::attention from its saved outputs."""
+    m, shape, scale, topk = _checked(q, k, v, mask, mask_tensors, scale, topk)
+    check_modifiers(m)
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk).config
+    bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk).config
+    return backward(q, k, v, out, lse, thr if topk else None, dout, dlse, m, shape, scale, bwd_config, config,
+                    check_dropout(dropout_p), _seed(seed))
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, thr, mask, mask_tensors, scale, topk, dropout_p, seed):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, mask_tensors, scale, topk, dropout_p, seed = inputs
+    out, lse, thr = output
+    ctx.save_for_backward(q, k, v, out, lse, thr, seed, *mask_tensors)
+    ctx.call = (mask, scale, topk, dropout_p)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse, dthr):
+    q, k, v, out, lse, thr, seed, *mask_tensors = ctx.saved_tensors
+    mask, scale, topk, dropout_p = ctx.call
+    no_grads = [None] * len(mask_tensors)  # the gradients' structure is that of the inputs
+    if dout is None and dlse is None:
+        return None, None, None, None, no_grads, None, None, None, None
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = attention_backward_op(dout, dlse, q, k, v, out, lse, thr, mask, mask_tensors, scale, topk,
+                                       dropout_p, seed)
+    return dq, dk, dv, None, no_grads, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, mask, *, scale, return_lse: bool, topk, dropout_p):
+    """attngen.attention through the operator (what dynamo records). Reads no shape, so a
+    dynamic sequence length stays symbolic."""
+    if mask is None:
+        spec, tensors = "none", []
+    elif isinstance(mask, str):
+        spec, tensors = mask, []
+    elif isinstance(mask, masks_.Mask):
+        spec, tensors = mask.spec, list(mask.spec_tensors)
+        check_mask_grads(mask)
+    elif isinstance(mask, masks_.TracedMask):
+        spec, tensors = mask.spec()
+        for value in tensors:
+            if value.requires_grad:
+                raise TypeError("a mask parameter requires grad: attngen computes no gradient for mask parameters "
+                                "(detach it, or use attngen.reference for such a model)")
+    else:
+        raise TypeError(f"mask must be None, a mask name or an attngen mask object, got {type(mask).__name__}")
+    dropout_p = check_dropout(dropout_p)
+    seed = torch.randint(0, 2**31 - 1, (1,)) if dropout_p > 0 else None
+    out, lse, _ = attention_op(q, k, v, spec, tensors, scale, topk, dropout_p, seed)
+    return (out, lse) if return_lse else out
