@@ -16,7 +16,8 @@ from .masks import layouts  # noqa: E402
 from .masks.layouts import block_sparse  # noqa: E402
 from .render import TemplateError  # noqa: E402
 from .sdpa import scaled_dot_product_attention, sdpa_override  # noqa: E402
+from .varlen import varlen_attention  # noqa: E402
 
 __all__ = ["attention", "explain", "use_registry", "dropout_mask", "mask", "Mask", "block_sparse", "layouts",
            "register_template_dir", "templates", "reference", "TemplateError", "scaled_dot_product_attention",
-           "sdpa_override", "__version__"]
+           "sdpa_override", "varlen_attention", "__version__"]

@@ -247,6 +247,24 @@ class Expr:
         operands = [node.left] + node.comparators
         return [(operands[i], op, operands[i + 1]) for i, op in enumerate(node.ops)]
 
+    # -- substitution -------------------------------------------------------------------
+    def substitute(self, replace: dict[str, str], tensors: dict[str, int]) -> "Expr":
+        """The expression with each name of `replace` replaced by an expression (text) that may
+        index the new tensor parameters `tensors` (name -> ndim): how a mask is evaluated in a
+        sequence's own positions (attngen.varlen_attention)."""
+        parsed = {name: ast.parse(text, mode="eval").body for name, text in replace.items()}
+
+        class Replace(ast.NodeTransformer):
+            def visit_Name(self, node):
+                return parsed.get(node.id, node)
+
+            def visit_Subscript(self, node):  # the tensor's own name stays
+                node.slice = self.visit(node.slice)
+                return node
+
+        tree = Replace().visit(ast.parse(self.text, mode="eval").body)
+        return Expr(ast.unparse(tree), self._allowed | set(tensors), {**self._tensors, **tensors})
+
     # -- derivative ---------------------------------------------------------------------
     def derivative(self, name: str) -> "Expr":
         """d(expression) / d(name) as an expression of the same language (where the expression

@@ -58,6 +58,7 @@ ZOO = {
     "softcap": lambda b, h, sq, sk, dev: M("softcap", cap=3.0),
     "block_sparse": _layout,
     "keep": _keep,
+    "sequences": lambda b, h, sq, sk, dev: M("sequences", q_seq=doc_ids(1, sq, dev)[0], kv_seq=doc_ids(1, sk, dev)[0]),
     "bias": _bias,
     "block_sparse_shared": lambda b, h, sq, sk, dev: attngen.block_sparse(  # one (Sq blocks, Sk blocks) layout
         attngen.layouts.strided(sq, sk, (16, 16), local=2, stride=3, device=dev)[0, 0], (16, 16)),

@@ -317,6 +317,51 @@ def generation() -> int:
 
 def get_template(name: str) -> Template:
     known = templates()
+    if name.endswith(LOCAL_SUFFIX) and name[:-len(LOCAL_SUFFIX)] in known:
+        return local_template(known[name[:-len(LOCAL_SUFFIX)]])
     if name not in known:
         raise ValueError(f"unknown mask {name!r}; known: {', '.join(sorted(known))}")
     return known[name]
+
+
+# -- a template in the positions of one packed sequence (attngen.varlen_attention) -------------
+LOCAL_SUFFIX = "__local"  # `causal__local` is `causal` counted inside each sequence
+# the per-position tensors a local template takes: where each position's sequence starts, and its length
+LOCAL_PARAMS = {
+    "seq_q_start": ("q_len", "q_idx - seq_q_start[q_idx]", "q_idx"),
+    "seq_q_len": ("q_len", "seq_q_len[q_idx]", "q_len"),
+    "seq_kv_start": ("kv_len", "kv_idx - seq_kv_start[kv_idx]", "kv_idx"),
+    "seq_kv_len": ("kv_len", "seq_kv_len[kv_idx]", "kv_len"),
+}
+
+
+@dataclass(frozen=True)
+class LocalTemplate(Template):
+    """`base` with q_idx, kv_idx, q_len and kv_len counted inside each packed sequence: the same
+    expression with those names replaced by gathers from the LOCAL_PARAMS tensors."""
+
+    base: Template | None = None
+
+    def expression(self, static: dict) -> Expr:
+        key = tuple(sorted(static.items()))
+        cache = _EXPR_CACHE.setdefault(self.path, {})
+        if key not in cache:
+            cache[key] = self.base.expression(static).substitute(
+                {name: text for _, text, name in LOCAL_PARAMS.values()}, {name: 1 for name in LOCAL_PARAMS})
+        return cache[key]
+
+
+@functools.lru_cache(maxsize=None)
+def local_template(base: Template) -> LocalTemplate:
+    """`base` counted in each sequence's own positions; an error for a template that reads a
+    tensor laid out over the packed positions or a block layout (they have no per-sequence meaning)."""
+    if base.block_layout is not None or any(split_dim(d)[0] in ("q_len", "kv_len")
+                                            for p in base.params.values() for d in p.shape):
+        raise ValueError(f"mask {base.name!r} reads a tensor laid out over the query or key positions, which has no "
+                         "meaning inside each packed sequence; varlen_attention takes masks of positions (causal, "
+                         "sliding_window, chunked, prefix_lm, softcap, alibi, ...)")
+    params = dict(base.params)
+    for name, (length, _, _) in LOCAL_PARAMS.items():
+        params[name] = Param(name, "tensor", doc=f"per {length[:-4]} position: {name}", shape=(length,), dtype="int")
+    return LocalTemplate(base.name + LOCAL_SUFFIX, Path(f"{base.path}#local"), base.kind, base.doc, params,
+                         base.expr_text, base.expr_line, None, base)

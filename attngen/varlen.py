@@ -1,0 +1,111 @@
+"""Packed sequences without padding: attngen.varlen_attention on (total_tokens, heads, head_dim)
+tensors with cumulative sequence lengths, the layout of FlashAttention's varlen API.
+
+The packed tokens run as one batch of one long sequence (a view, no copy) under the `sequences`
+mask (a query sees only its own sequence's keys) and the user's mask counted in each sequence's
+own positions (its `__local` form: q_idx, kv_idx, q_len and kv_len replaced by gathers from
+per-position tensors). So every kernel family, mask, top-k and dropout works unchanged, and only
+the tiles a sequence covers are visited. Nothing synchronises with the device: the per-position
+tensors come from cu_seqlens by device ops, and are kept (with the block classification they
+lead to) while the same cu_seqlens tensors are passed again, e.g. by every layer of a model.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import masks as masks_
+from .api import attention
+
+_DERIVED: dict[tuple, tuple] = {}  # (cu_seqlens ids and versions, length) -> (weakref, tensors)
+_MAX_DERIVED = 64
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, mask=None,
+                     scale=None, return_lse=False, topk=None, dropout_p=0.0):
+    """Attention of packed sequences: q (total_q, Hq, D), k and v (total_k, Hkv, D); sequence i
+    is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k
+    and v (int32 or int64, length N + 1, starting at 0, non-decreasing: not checked, which would
+    synchronise). max_seqlen_q/k are accepted for FlashAttention's signature and not needed.
+
+    mask: as for attention(), counted inside each sequence (causal is each sequence's own causal
+    mask; align="bottom_right" lines up the ends of a sequence's queries and keys, as
+    FlashAttention's varlen causal does). Masks that read tensors over positions (document, keep,
+    bias, block layouts) are refused: their positions would be the packed ones.
+    Returns the output (total_q, Hq, D), and with return_lse the LSE (Hq, total_q). Rows past
+    cu_seqlens_q[-1] get output 0.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a (total_tokens, heads, head_dim) tensor, got {shape}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) \
+                or cu.numel() < 2:
+            got = f"{cu.dtype} tensor of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{name} must be a 1-d int32 or int64 tensor of N + 1 >= 2 offsets, got {got}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k has "
+                         f"{cu_seqlens_k.numel() - 1}")
+    positions = _positions(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    m = _localize(mask, positions)
+    packed = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)]  # (1, H, total, D) views
+    result = attention(*packed, mask=m, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p)
+    if return_lse:
+        out, lse = result
+        return out[0].permute(1, 0, 2), lse[0]
+    return result[0].permute(1, 0, 2)
+
+
+def _positions(cu_q, cu_k, total_q: int, total_k: int) -> dict:
+    """The sequence of every query and key position (padding: -1 and -2, which match nothing) and
+    the LOCAL_PARAMS tensors, computed on the device, kept per cu_seqlens tensors."""
+    compiling = torch.compiler.is_compiling()  # a traced graph computes them every call
+    if not compiling:
+        key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total_q, total_k)
+        hit = _DERIVED.get(key)
+        if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
+            return hit[2]
+
+    def side(cu, total, outside):
+        index = torch.arange(total, device=cu.device)
+        cu = cu.to(torch.int64)
+        seq = torch.searchsorted(cu, index, right=True) - 1
+        inside = (index < cu[-1]) & (seq >= 0)
+        seq = torch.where(inside, seq, outside)
+        start = torch.where(inside, cu.gather(0, seq.clamp(min=0)), 0)
+        length = torch.where(inside, cu.gather(0, (seq + 1).clamp(min=0, max=cu.numel() - 1)) - start, 0)
+        return seq, start, length
+
+    q_seq, q_start, q_len = side(cu_q, total_q, -1)
+    kv_seq, kv_start, kv_len = side(cu_k, total_k, -2)
+    positions = dict(q_seq=q_seq, kv_seq=kv_seq, seq_q_start=q_start, seq_q_len=q_len, seq_kv_start=kv_start,
+                     seq_kv_len=kv_len)
+    if not compiling:
+        if len(_DERIVED) >= _MAX_DERIVED:
+            _DERIVED.clear()
+        _DERIVED[key] = (weakref.ref(cu_q), weakref.ref(cu_k), positions)
+    return positions
+
+
+def _localize(m, positions: dict):
+    """`sequences` & the mask with every term in its __local form."""
+    local = {name: positions[name] for name in masks_.LOCAL_PARAMS}
+    out = masks_.mask("sequences", q_seq=positions["q_seq"], kv_seq=positions["kv_seq"])
+    if m is None:
+        return out
+    if isinstance(m, str):  # a template name (while dynamo traces, no file may be read)
+        m = masks_.TracedMask(("term", m, ())) if torch.compiler.is_compiling() else masks_.as_mask(m)
+    tree = masks_.TracedMask.of(m).tree
+
+    def build(node):
+        if node[0] == "term":
+            return masks_.mask(node[1] + masks_.LOCAL_SUFFIX, **dict(node[2]), **local)
+        left, right = build(node[1]), build(node[2])
+        return left & right if node[0] == "&" else left | right
+
+    return out & build(tree)
