@@ -15,7 +15,10 @@ from .kernels.forward import Plan, forward
 
 _plans: dict[tuple, Plan] = {}
 _MAX_PLANS = 4096
+_tensor_plans: dict[tuple, Plan] = {}  # plans of masks with tensors
+_MAX_TENSOR_PLANS = 64
 dispatch.on_registry_change(_plans.clear)  # a new registry may choose other configs
+dispatch.on_registry_change(_tensor_plans.clear)
 
 
 def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dropout_p=0.0):
@@ -35,20 +38,27 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     m = masks_.as_mask(mask)
     tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     grad = torch.is_grad_enabled() and tensors and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if tensors and not grad and (m is None or not m.has_tensors):
-        # fast path: one prepared launch per call signature
+    if tensors and not grad:
+        # fast path: one prepared launch per call signature; a mask's tensors are part of it (by
+        # identity and version: the plan holds them, so an id is not reused while it lives), in a
+        # smaller cache, as a new tensor per call (an SDPA mask) would fill it with dead plans
+        if m is None or not m.has_tensors:
+            plans, limit, mask_key = _plans, _MAX_PLANS, None if m is None else m.call_key
+        else:
+            plans, limit = _tensor_plans, _MAX_TENSOR_PLANS
+            mask_key = (m.call_key, tuple((id(t), t._version) for t in m.spec_tensors))
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, None if m is None else m.call_key, scale, return_lse, topk, dropout_p)
-        plan = _plans.get(key)
+               q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p)
+        plan = plans.get(key)
         if plan is None:
             shape = check_qkv(q, k, v, kernel=True)
             if shape.q_len == 0:
                 return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
+            if len(plans) >= limit:
+                plans.clear()
             effective = check_topk(topk, shape.kv_len)
             config = dispatch.choose_config(FORWARD, q, shape, m, effective).config
-            plan = _plans[key] = Plan(q, k, v, m, shape, check_scale(scale, shape.head_dim), effective, return_lse,
+            plan = plans[key] = Plan(q, k, v, m, shape, check_scale(scale, shape.head_dim), effective, return_lse,
                                       config, check_dropout(dropout_p))
         out, lse = plan.run(q, k, v)
         return (out, lse) if return_lse else out

@@ -4,7 +4,8 @@ existing SDPA calls to it without editing the model.
 
 The semantics are torch's (its math backend on the CPU is the definition): batch dimensions
 broadcast, a boolean attn_mask keeps where True, a float one is added to the scaled scores,
-is_causal is the top-left causal mask (and is combined with attn_mask when both are given),
+is_causal is the top-left causal mask (both apply when attn_mask is given too, as in torch 2.13;
+torch 2.11 raises there),
 enable_gqa lets key/value have fewer heads, a row with no visible key gives 0. Bad input raises
 what torch raises (RuntimeError for mismatched tensors, TypeError for a non-tensor argument).
 Unlike torch, the tensors must be float16, bfloat16 or float32 (attngen's kernels).

@@ -52,7 +52,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k has "
                          f"{cu_seqlens_k.numel() - 1}")
     positions = _positions(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-    m = _localize(mask, positions)
+    m = _localized(mask, positions)
     packed = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)]  # (1, H, total, D) views
     result = attention(*packed, mask=m, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p)
     if return_lse:
@@ -90,6 +90,24 @@ def _positions(cu_q, cu_k, total_q: int, total_k: int) -> dict:
             _DERIVED.clear()
         _DERIVED[key] = (weakref.ref(cu_q), weakref.ref(cu_k), positions)
     return positions
+
+
+def _localized(mask, positions: dict):
+    """_localize, kept with the positions (per cu_seqlens) for a mask given by name or seen before:
+    a repeated call builds no mask objects, and attention() then takes its fast path."""
+    if torch.compiler.is_compiling() or isinstance(mask, masks_.TracedMask):
+        return _localize(mask, positions)
+    if isinstance(mask, masks_.Mask):
+        key = (mask.call_key, tuple(id(t) for t in mask.spec_tensors))
+    else:
+        key = (mask, masks_.generation())  # a name: its template may be reloaded
+    kept = positions.setdefault("masks", {})
+    hit = kept.get(key)
+    if hit is None or (isinstance(mask, masks_.Mask) and any(a is not b for a, b in zip(hit[0], mask.spec_tensors))):
+        if len(kept) >= _MAX_DERIVED:
+            kept.clear()
+        hit = kept[key] = ((mask.spec_tensors if isinstance(mask, masks_.Mask) else ()), _localize(mask, positions))
+    return hit[1]
 
 
 def _localize(m, positions: dict):

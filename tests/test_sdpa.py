@@ -27,9 +27,14 @@ def _float_mask(*shape):
 
 
 def _torch_sdpa(*args, **kwargs):
-    """torch's SDPA in float64 (its math backend), the reference."""
+    """torch's SDPA in float64 (its math backend), the reference. attn_mask with is_causal: both
+    apply (torch 2.13 does so; torch 2.11 raises), so the reference is given the two joined."""
     up = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args]
     mask = kwargs.get("attn_mask")
+    if mask is not None and kwargs.get("is_causal"):
+        causal = torch.ones(up[0].shape[-2], up[1].shape[-2], dtype=torch.bool, device=mask.device).tril()
+        mask = mask & causal
+        kwargs = dict(kwargs, attn_mask=mask, is_causal=False)
     if mask is not None and mask.is_floating_point():
         kwargs = dict(kwargs, attn_mask=mask.double())
     return F.scaled_dot_product_attention(*up, **kwargs)
