@@ -7,7 +7,7 @@ import torch
 
 from . import dispatch
 from . import masks as masks_
-from .checks import check_dropout, check_qkv, check_scale, check_topk, draw_seed
+from .checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from .expr import SCORE_NAME
 from .families import BACKWARD, FORWARD
 from .kernels.autograd import AttentionFunction
@@ -21,7 +21,8 @@ dispatch.on_registry_change(_plans.clear)  # a new registry may choose other con
 def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dropout_p=0.0):
     """Attention of q (B, Hq, Sq, D) over k, v (B, Hkv, Sk, D) with an optional mask.
 
-    mask: None, a template name ("causal") or a mask object (attngen.mask(...), combined with & |).
+    mask: None, a mask spec ("causal", "sliding_window(window=256) & softcap(cap=30.0)": the command
+    line's syntax) or a mask object (attngen.mask(...), combined with & |).
     scale: defaults to 1 / sqrt(D). Returns the output (q's dtype and shape), or (output, lse) with
     return_lse=True, lse being the natural-log log-sum-exp of every row, fp32, shape (B, Hq, Sq).
     topk: top-k softmax: each row's softmax runs over its `topk` largest scores among the keys the
@@ -30,6 +31,7 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     as SDPA does (pass 0 outside training); the mask is drawn from torch's default generator.
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
     """
+    check_flag("return_lse", return_lse)  # before the fast path: a plan keyed by True must not take 'yes'
     m = masks_.as_mask(mask)
     tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     grad = torch.is_grad_enabled() and tensors and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -28,14 +28,29 @@ def cmd_render(args) -> int:
 
 
 def cmd_masks(args) -> int:
-    for name, template in sorted(masks_.templates().items()):
-        print(f"{name} ({template.kind}) - {template.path}")
+    from .masks.template_files import check_all
+
+    checked = sorted(check_all(), key=lambda c: (c.name, str(c.path)))
+    broken = [c for c in checked if c.error]
+    for c in checked:
+        error = c.error and c.error.replace("\n", "\n    ")  # an error names its file; a YAML one has lines
+        if args.check:
+            print(f"BROKEN {c.name}: {error}" if error else f"ok {c.name} - {c.path}")
+            continue
+        if error:
+            print(f"{c.name} (BROKEN)\n    error: {error}\n")
+            continue
+        template = c.template
+        print(f"{c.name} ({template.kind}) - {template.path}")
         for line in template.doc.splitlines():
             print(f"    {line}")
         for param in template.params.values():
             print(f"    param {param.describe()}" + (f": {param.doc}" if param.doc else ""))
         print()
-    return 0
+    if broken:
+        print(f"attngen masks: {len(broken)} of {len(checked)} templates are broken: "
+              f"{', '.join(c.name for c in broken)}", file=sys.stderr)
+    return 1 if broken and args.check else 0
 
 
 def cmd_tune(args) -> int:
@@ -113,7 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     render.set_defaults(run=cmd_render)
 
     masks = sub.add_parser("masks", help="list the mask and score templates with their parameters",
-                           description="List every mask and score template attngen can see.")
+                           description="List every mask and score template attngen can see, each checked (its "
+                                       "expression rendered and parsed for every value of its static parameters): "
+                                       "a broken template is listed with its error.")
+    masks.add_argument("--check", action="store_true",
+                       help="only check: one line per template (ok or BROKEN with the error); exit status 1 when "
+                            "any is broken")
     masks.set_defaults(run=cmd_masks)
 
     from .tuning.tune import add_arguments
