@@ -422,10 +422,12 @@ def add_arguments(parser) -> None:
     g.add_argument("--workers", type=int, default=1, help="worker processes, one per local GPU (default 1)")
     g.add_argument("--jobs", type=int, default=None,
                    help="trials in flight per worker: configs compile in parallel child processes (default 8)")
-    g.add_argument("--compile-timeout", type=float, default=300.0, help="seconds one compilation may take")
+    g.add_argument("--compile-timeout", type=float, default=300.0,
+                   help="seconds one compilation may take (default 300)")
     g.add_argument("--out", help="registry folder to write (default: the user registry; --out tuned/ to commit)")
     g.add_argument("--interpret", action="store_true",
-                   help="no GPU: run the pipeline on tiny shapes under Triton's interpreter ('interpreter' key)")
+                   help="no GPU: run the pipeline on tiny shapes under Triton's interpreter ('interpreter' key); "
+                        "the defaults are then fp16, head dim 32, seq len 64, batch 1, 2 heads, 6 trials, 2 jobs")
     g.add_argument("--worker-only", action="store_true", help="internal: run trials, write nothing")
 
 
