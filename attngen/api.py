@@ -31,7 +31,8 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     as SDPA does (pass 0 outside training); the mask is drawn from torch's default generator.
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
     """
-    check_flag("return_lse", return_lse)  # before the fast path: a plan keyed by True must not take 'yes'
+    if type(return_lse) is not bool:  # before the fast path: a plan keyed by True must not take 'yes'
+        check_flag("return_lse", return_lse)
     m = masks_.as_mask(mask)
     tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     grad = torch.is_grad_enabled() and tensors and (q.requires_grad or k.requires_grad or v.requires_grad)
