@@ -8,7 +8,7 @@ import torch
 from . import dispatch
 from . import masks as masks_
 from . import ops
-from .checks import check_dropout, check_qkv, check_scale, check_topk, draw_seed
+from .checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from .families import BACKWARD, FORWARD
 from .kernels.autograd import AttentionFunction, check_mask_grads, check_modifiers
 from .kernels.forward import Plan, forward
@@ -24,7 +24,8 @@ dispatch.on_registry_change(_tensor_plans.clear)
 def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dropout_p=0.0):
     """Attention of q (B, Hq, Sq, D) over k, v (B, Hkv, Sk, D) with an optional mask.
 
-    mask: None, a template name ("causal") or a mask object (attngen.mask(...), combined with & |).
+    mask: None, a mask spec ("causal", "sliding_window(window=256) & softcap(cap=30.0)": the command
+    line's syntax) or a mask object (attngen.mask(...), combined with & |).
     scale: defaults to 1 / sqrt(D). Returns the output (q's dtype and shape), or (output, lse) with
     return_lse=True, lse being the natural-log log-sum-exp of every row, fp32, shape (B, Hq, Sq).
     topk: top-k softmax: each row's softmax runs over its `topk` largest scores among the keys the
@@ -33,6 +34,8 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     as SDPA does (pass 0 outside training); the mask is drawn from torch's default generator.
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
     """
+    if type(return_lse) is not bool:  # before the fast path: a plan keyed by True must not take 'yes'
+        check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():  # torch.compile / export record the attngen::attention operator
         return ops.attention(q, k, v, mask, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p)
     m = masks_.as_mask(mask)

@@ -100,6 +100,13 @@ def check_qkv(q, k, v, *, kernel: bool) -> Shape:
     return Shape(batch, heads, kv_heads, q_len, kv_len, head_dim)
 
 
+def check_flag(name: str, value) -> bool:
+    """A boolean flag such as `return_lse`: a bool, not a value that merely looks true ('yes', 1)."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_topk(topk, kv_len: int) -> int:
     """The number of scores each row keeps; 0 for all of them (topk None, or >= the key length)."""
     if topk is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from . import masks as masks_
@@ -28,14 +29,29 @@ def cmd_render(args) -> int:
 
 
 def cmd_masks(args) -> int:
-    for name, template in sorted(masks_.templates().items()):
-        print(f"{name} ({template.kind}) - {template.path}")
+    from .masks.template_files import check_all
+
+    checked = sorted(check_all(), key=lambda c: (c.name, str(c.path)))
+    broken = [c for c in checked if c.error]
+    for c in checked:
+        error = c.error and c.error.replace("\n", "\n    ")  # an error names its file; a YAML one has lines
+        if args.check:
+            print(f"BROKEN {c.name}: {error}" if error else f"ok {c.name} - {c.path}")
+            continue
+        if error:
+            print(f"{c.name} (BROKEN)\n    error: {error}\n")
+            continue
+        template = c.template
+        print(f"{c.name} ({template.kind}) - {template.path}")
         for line in template.doc.splitlines():
             print(f"    {line}")
         for param in template.params.values():
             print(f"    param {param.describe()}" + (f": {param.doc}" if param.doc else ""))
         print()
-    return 0
+    if broken:
+        print(f"attngen masks: {len(broken)} of {len(checked)} templates are broken: "
+              f"{', '.join(c.name for c in broken)}", file=sys.stderr)
+    return 1 if broken and args.check else 0
 
 
 def cmd_tune(args) -> int:
@@ -58,6 +74,8 @@ def cmd_profile(args) -> int:
 
 
 def cmd_registry(args) -> int:
+    import warnings
+
     import torch
 
     from . import dispatch
@@ -71,20 +89,41 @@ def cmd_registry(args) -> int:
     else:
         gpu = registry.INTERPRETER
     paths = dispatch.registry_paths()
-    reg = registry.Registry.load(paths, gpu)
+    files = [registry.file_for(path, gpu) for path in paths]
+    if not any(file.exists() for file in files):
+        known = registry.gpus_in(paths)
+        raise ValueError(f"no registry for gpu {gpu!r}: none of {', '.join(map(str, files))} exists; registries "
+                         f"exist for {', '.join(known) if known else 'no gpu'} (--gpu KEY picks one; `attngen tune` "
+                         "makes one for this machine)")
+    with warnings.catch_warnings():
+        if args.action == "list":  # the listing says what the warnings would
+            warnings.simplefilter("ignore", registry.RegistryWarning)
+        reg = registry.Registry.load(paths, gpu)
     if args.action == "list":
-        for path in paths:
-            file = path / f"{gpu}.yaml" if path.is_dir() else path
+        for file in files:
             source = next((s for s in reg.sources if s.path == file), None)
-            count = f"{len(source.entries)} entries" if source else "no file"
-            print(f"{file}: {count}")
-        return 0
+            if source is not None:
+                skipped = reg.skipped.get(file)
+                count = len(source.entries)
+                status = f"{count} entr{'y' if count == 1 else 'ies'}" + (
+                    f" (skipped invalid entries {', '.join(map(str, skipped))}; `attngen registry show` says why)"
+                    if skipped else "")
+            elif file in reg.unusable:
+                status = f"unusable, ignored: {reg.unusable[file]}"
+            else:
+                status = "no file"
+            print(f"{file}: {status}")
+        return 1 if reg.unusable else 0
     rows = [("source", "variant", "kernel", "dtype", "D", "bucket", "group", "config", "ms", "TFLOP/s", "SDPA ms",
              "speedup", "trials", "date")]
     for path, e in reg.entries():
+        config = e.kernel_config()
+        if gpu == registry.INTERPRETER:  # TMA and warp specialization mean nothing on the CPU
+            config = dataclasses.replace(config, use_tma=False, warp_specialize=False)
         rows.append((str(path), e.key.variant, e.key.kernel, e.key.dtype, e.key.head_dim, e.key.seq_bucket,
-                     e.key.group, str(e.kernel_config()), f"{e.ms:.4f}", f"{e.tflops:.1f}", f"{e.sdpa_ms:.4f}" if e.sdpa_ms else "n/a",
-                     f"{e.sdpa_ms / e.ms:.2f}x" if e.sdpa_ms else "n/a", e.trials, e.date))
+                     e.key.group, str(config), f"{e.ms:.4g}", f"{e.tflops:.4g}",
+                     f"{e.sdpa_ms:.4g}" if e.sdpa_ms else "n/a", f"{e.sdpa_ms / e.ms:.2f}x" if e.sdpa_ms else "n/a",
+                     e.trials, e.date))
     if len(rows) == 1:
         print(f"no registry entries for gpu {gpu!r} in {', '.join(map(str, paths))}")
         return 0
@@ -113,7 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     render.set_defaults(run=cmd_render)
 
     masks = sub.add_parser("masks", help="list the mask and score templates with their parameters",
-                           description="List every mask and score template attngen can see.")
+                           description="List every mask and score template attngen can see, each checked (its "
+                                       "expression rendered and parsed for every value of its static parameters): "
+                                       "a broken template is listed with its error.")
+    masks.add_argument("--check", action="store_true",
+                       help="only check: one line per template (ok or BROKEN with the error); exit status 1 when "
+                            "any is broken")
     masks.set_defaults(run=cmd_masks)
 
     from .tuning.tune import add_arguments
@@ -148,8 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile_parser.set_defaults(run=cmd_profile)
 
     reg = sub.add_parser("registry", help="show the tuned registry the dispatcher reads",
-                         description="list: the registry files for a GPU and their entry counts; show: every entry "
-                                     "(user registry first, then the shipped one).")
+                         description="list: the registry files for a GPU in lookup order, each with its entry count, "
+                                     "or why it is unusable (exit status 1 when one is); show: every entry (user "
+                                     "registry first, then the shipped one). A GPU with no registry file at all is "
+                                     "an error that names the GPUs that have one.")
     reg.add_argument("action", choices=["list", "show"])
     reg.add_argument("--gpu", help="GPU key, e.g. h200 (default: this machine's, or 'interpreter' without CUDA)")
     reg.set_defaults(run=cmd_registry)

@@ -51,11 +51,7 @@ def use_registry(path) -> None:
     The registry shipped with attngen stays the fallback. `None` goes back to the default.
     """
     global _override
-    if path is not None:
-        path = Path(path).expanduser()
-        if not path.exists():
-            raise ValueError(f"use_registry: {str(path)!r} does not exist")
-    _override = path
+    _override = None if path is None else _existing(path, "use_registry")
     _registries.clear()
     _choices.clear()
     for listener in _listeners:
@@ -67,9 +63,23 @@ def on_registry_change(callback) -> None:
     _listeners.append(callback)
 
 
+def _existing(path, who: str) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ValueError(f"{who}: {str(path)!r} does not exist (a registry is a folder of <gpu>.yaml files or one "
+                         "such file)")
+    return path
+
+
 def registry_paths() -> list[Path]:
-    """The registry sources in lookup order."""
-    first = _override or (Path(os.environ[REGISTRY_ENV]) if os.environ.get(REGISTRY_ENV) else registry_.user_dir())
+    """The registry sources in lookup order. ATTNGEN_REGISTRY naming no file or folder is the same
+    error as use_registry on that path (raised at the first lookup)."""
+    if _override is not None:
+        first = _override
+    elif os.environ.get(REGISTRY_ENV):
+        first = _existing(os.environ[REGISTRY_ENV], REGISTRY_ENV)
+    else:
+        first = registry_.user_dir()
     return [first, registry_.shipped_dir()]
 
 

@@ -26,21 +26,9 @@ from .kernels.autograd import check_mask_grads, check_modifiers
 from .kernels.backward import backward
 from .kernels.forward import forward
 
-_SPECS: dict[str, object] = {}  # spec text without tensors -> Mask (bounded: texts come from code, not data)
-_MAX_SPECS = 1024
-
-
 def _mask(spec: str, tensors: list[Tensor]):
     """The Mask of a spec (a template name or `attngen.masks.parse_spec` text) and its tensors."""
-    if tensors:
-        return masks_.parse_spec(spec, tensors=tensors)
-    m = _SPECS.get(spec, _SPECS)
-    if m is _SPECS:
-        m = masks_.parse_spec(spec)
-        if len(_SPECS) >= _MAX_SPECS:
-            _SPECS.clear()
-        _SPECS[spec] = m
-    return m
+    return masks_.parse_spec(spec, tensors=tensors) if tensors else masks_.as_mask(spec)
 
 
 def _checked(q, k, v, spec, tensors, scale, topk):

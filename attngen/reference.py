@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import masks as masks_
-from .checks import check_dropout, check_qkv, check_scale, check_topk
+from .checks import check_dropout, check_flag, check_qkv, check_scale, check_topk
 
 # Largest relative norm error ||out - ref|| / ||ref|| a kernel may show, by input dtype. The tests
 # and the tuner's correctness gate both use this table.
@@ -32,6 +32,7 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     before dropout.
     """
     shape = check_qkv(q, k, v, kernel=False)
+    check_flag("return_lse", return_lse)
     scale = check_scale(scale, shape.head_dim)
     topk = check_topk(topk, shape.kv_len)
     mask = masks_.as_mask(mask)

@@ -116,8 +116,13 @@ def _localize(m, positions: dict):
     out = masks_.mask("sequences", q_seq=positions["q_seq"], kv_seq=positions["kv_seq"])
     if m is None:
         return out
-    if isinstance(m, str):  # a template name (while dynamo traces, no file may be read)
-        m = masks_.TracedMask(("term", m, ())) if torch.compiler.is_compiling() else masks_.as_mask(m)
+    if isinstance(m, str) and torch.compiler.is_compiling():  # no template file may be read while dynamo traces
+        if not m.isidentifier():
+            raise ValueError(f"varlen_attention under torch.compile takes a template name or a mask object, not the "
+                             f"spec {m!r}: build it with attngen.mask(...) & ...")
+        m = masks_.TracedMask(("term", m, ()))
+    elif isinstance(m, str):
+        m = masks_.as_mask(m)
     tree = masks_.TracedMask.of(m).tree
 
     def build(node):

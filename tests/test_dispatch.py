@@ -64,6 +64,19 @@ def test_environment_variable_selects_the_registry(tmp_path, monkeypatch, clean_
     assert dispatch.registry_paths()[0] == path
 
 
+def test_environment_variable_naming_nothing_is_the_error_use_registry_gives(tmp_path, monkeypatch, clean_dispatch):
+    missing = tmp_path / "missing"
+    monkeypatch.setenv(dispatch.REGISTRY_ENV, str(missing))
+    dispatch.use_registry(None)  # the caches drop: the next call looks the registry up
+    q = torch.randn(1, 2, 20, 16, device=DEVICE).half()
+    with pytest.raises(ValueError, match=f"ATTNGEN_REGISTRY: '{missing}' does not exist"):
+        attngen.attention(q, q, q)
+    with pytest.raises(ValueError, match=f"use_registry: '{missing}' does not exist"):
+        attngen.use_registry(missing)
+    missing.mkdir()  # once it exists, an empty folder: the fallback
+    assert "no registry entry" in attngen.explain(q, q, q)
+
+
 def test_corrupt_registry_warns_and_falls_back(tmp_path, clean_dispatch):
     gpu = dispatch.gpu_of(torch.device(DEVICE))
     (tmp_path / f"{gpu}.yaml").write_text("version: 2\nentries: [unclosed\n")

@@ -13,7 +13,7 @@ import math
 import torch
 
 from .. import masks as masks_
-from ..checks import check_dropout, check_qkv, check_scale, check_topk, draw_seed
+from ..checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from ..config import KernelConfig, block_d_for
 from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, mask_args, module_for, structure_args,
                      tensor_args, tma_eligible)
@@ -120,6 +120,7 @@ def attention_forward(q, k, v, mask=None, *, scale=None, return_lse=False, topk=
     `tuning` sets the top-k threshold search's constants (default TopkTuning()).
     """
     shape = check_qkv(q, k, v, kernel=True)
+    check_flag("return_lse", return_lse)
     problems = config.problems(shape.head_dim, q.element_size())
     if problems:
         raise ValueError(f"invalid kernel config {config}: {'; '.join(problems)}")

@@ -16,6 +16,7 @@ import numbers
 
 import torch
 
+from ..checks import check_flag
 from .objects import Mask, mask
 
 
@@ -73,6 +74,7 @@ def local_global(q_len: int, kv_len: int, block_size=(128, 128), *, window: int 
     """
     window, global_blocks = _count("window", window), _count("global_blocks", global_blocks)
     random_blocks, heads = _count("random_blocks", random_blocks), _count("heads", heads, 1)
+    check_flag("causal", causal)
     i, j = _grid(q_len, kv_len, block_size, device)
     layout = ((j - i).abs() <= window) | (j < global_blocks) | (i < global_blocks)
     layout = layout.expand(1, heads, i.shape[0], j.shape[1])
@@ -90,6 +92,7 @@ def strided(q_len: int, kv_len: int, block_size=(128, 128), *, local: int = 1, s
     without `causal` the same pattern also looks ahead. Returns a (1, 1, Sq blocks, Sk blocks) bool tensor.
     """
     local, stride = _count("local", local, 1), _count("stride", stride, 1)
+    check_flag("causal", causal)
     i, j = _grid(q_len, kv_len, block_size, device)
     offset = i - j if causal else (i - j).abs()
     layout = (offset >= 0) & ((offset < local) | (offset % stride == 0))

@@ -221,7 +221,10 @@ class TracedMask:
 
 
 _TENSOR_PREFIX = "tensor_"  # parse_spec's placeholder of the i-th tensor: tensor_0, tensor_1, ...
-_NAMED: dict[str, tuple[int, Mask]] = {}  # name -> (templates' generation, mask)
+SPEC_SYNTAX = ("a template name, or name(param=value, ...), joined by & and |, e.g. "
+               "'sliding_window(window=256) & softcap(cap=30.0)'")
+_SPECS: dict[str, tuple[int, Mask | None]] = {}  # spec text -> (templates' generation, mask)
+_MAX_SPECS = 1024
 
 
 def mask(name: str, **params) -> Mask:
@@ -235,18 +238,22 @@ def mask(name: str, **params) -> Mask:
 
 
 def as_mask(value, argument: str = "mask") -> Mask | None:
-    """`None`, a template name or a Mask, as given to attention(mask=...)."""
+    """`None`, a mask spec (a template name, or the command line's syntax) or a Mask, as given to
+    attention(mask=...)."""
     if value is None or isinstance(value, Mask):
         return value
     if isinstance(value, str):
-        # one Mask per name while the loaded templates stay the same; this is on every call's path,
-        # so it reads no environment variable (a change of ATTNGEN_TEMPLATE_PATH is seen by new names)
-        named = _NAMED.get(value)
-        if named is None or named[0] != templates_.generation():
-            m = mask(value)
-            named = _NAMED[value] = (templates_.generation(), m)
-        return named[1]
-    raise TypeError(f"{argument} must be None, a mask name or an attngen mask object, got {type(value).__name__}")
+        # one Mask per spec text while the loaded templates stay the same; this is on every call's path,
+        # so it reads no environment variable (a change of ATTNGEN_TEMPLATE_PATH is seen by new specs)
+        parsed = _SPECS.get(value)
+        if parsed is None or parsed[0] != templates_.generation():
+            m = parse_spec(value)
+            if len(_SPECS) >= _MAX_SPECS:
+                _SPECS.clear()
+            parsed = _SPECS[value] = (templates_.generation(), m)
+        return parsed[1]
+    raise TypeError(f"{argument} must be None, a mask spec ({SPEC_SYNTAX}) or an attngen mask object, "
+                    f"got {type(value).__name__}")
 
 
 def parse_spec(text: str, *, partial: bool = False, tensors=()) -> Mask | None:
@@ -261,7 +268,7 @@ def parse_spec(text: str, *, partial: bool = False, tensors=()) -> Mask | None:
     try:
         tree = ast.parse(text, mode="eval").body
     except SyntaxError as e:
-        raise ValueError(f"mask spec {text!r} is not valid: {e.msg}") from None
+        raise ValueError(f"mask spec {text!r} is not valid ({e.msg}); write {SPEC_SYNTAX}") from None
 
     def build(node) -> Mask:
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
@@ -270,14 +277,20 @@ def parse_spec(text: str, *, partial: bool = False, tensors=()) -> Mask | None:
         if isinstance(node, ast.Name):
             name, kwargs = node.id, {}
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
-            name = node.func.id
-            try:
-                kwargs = {kw.arg: _spec_value(kw.value, tensors) for kw in node.keywords}
-            except ValueError:
-                raise ValueError(f"mask spec {text!r}: parameters must be literals (numbers, strings, booleans)") from None
+            name, kwargs = node.func.id, {}
+            for kw in node.keywords:
+                try:
+                    kwargs[kw.arg] = _spec_value(kw.value, tensors)
+                except ValueError:
+                    raise ValueError(f"mask spec {text!r}: parameter {kw.arg!r} of {name} must be a literal (a "
+                                     "number, a quoted string, True or False)") from None
         else:
-            raise ValueError(f"mask spec {text!r}: expected name, name(param=value, ...), joined by & or |")
-        term = Term(get_template(name), kwargs, partial=partial)
+            raise ValueError(f"mask spec {text!r}: expected {SPEC_SYNTAX}")
+        template = get_template(name)
+        try:
+            term = Term(template, kwargs, partial=partial)
+        except TypeError as e:  # a missing, unknown or mistyped parameter: show how to write the term
+            raise TypeError(f"{e}; {_usage(template)}") from None
         return Mask(mods=(term,)) if term.template.kind == "score" else Mask(term)
 
     return build(tree)
@@ -291,3 +304,12 @@ def _spec_value(node, tensors):
             raise TypeError(f"mask spec names {node.id} but {len(tensors)} tensor(s) were given")
         return tensors[index]
     return ast.literal_eval(node)
+
+
+def _usage(template: Template) -> str:
+    """How to write `template` with its required parameters, e.g. `in a mask spec: sliding_window(window=...)`."""
+    required = [p for p in template.params.values() if p.required]
+    args = ", ".join(f"{p.name}=..." for p in required)
+    if any(p.type == "tensor" for p in required):
+        return f"tensor parameters cannot be given in a mask spec: use attngen.mask({template.name!r}, {args})"
+    return f"in a mask spec: {template.name}({args})" if args else f"in a mask spec: {template.name}"

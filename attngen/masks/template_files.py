@@ -9,7 +9,7 @@ A template is a small YAML file (`templates/masks/*.yaml`, or a folder of the us
     expr: "abs(q_idx - kv_idx) < window"
 
 Parameter types: `int` and `float` are run-time scalars (kernel arguments: a new value never
-recompiles); `bool` and `choice` are static (Jinja variables inside `expr`, so they pick the
+recompiles; `min` and `max` bound them, inclusive; a float must be finite); `bool` and `choice` are static (Jinja variables inside `expr`, so they pick the
 kernel's structure); `tensor` has a `shape` made of `batch`, `heads`, `q_len`, `kv_len`
 (a size of 1 broadcasts for `batch` and `heads`) or `q_len/P`, `kv_len/P` (the length divided
 by the template's int parameter P, rounded up: one entry per block of P positions), and a
@@ -23,6 +23,8 @@ tiles are then classified from the layout alone, without evaluating the expressi
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -49,7 +51,8 @@ class Param:
     default: object = MISSING
     doc: str = ""
     choices: tuple = ()
-    min: float | None = None
+    min: float | None = None  # bounds of an int or float parameter (inclusive)
+    max: float | None = None
     shape: tuple[str, ...] = ()
     dtype: str = "float"
 
@@ -67,9 +70,17 @@ class Param:
         elif self.type == "choice":
             kind = "one of " + ", ".join(repr(c) for c in self.choices)
         else:
-            kind = self.type + (f" >= {self.min:g}" if self.min is not None else "")
+            kind = self.type + self._bounds()
         default = "" if self.required else f", default {self.default!r}"
         return f"{self.name}: {kind}{default}"
+
+    def _bounds(self) -> str:
+        """" >= 1", " <= 8", " in [0.5, 2]" or ""."""
+        if self.min is not None and self.max is not None:
+            return f" in [{self.min:g}, {self.max:g}]"
+        if self.min is not None:
+            return f" >= {self.min:g}"
+        return f" <= {self.max:g}" if self.max is not None else ""
 
     def check(self, template: str, value):
         """Check one value given by the user; returns it normalised."""
@@ -82,6 +93,8 @@ class Param:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{where} must be a float, got {type(value).__name__} {value!r}")
             value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{where} must be a finite number, got {value!r}")
         elif self.type == "bool":
             if not isinstance(value, bool):
                 raise TypeError(f"{where} must be a bool, got {type(value).__name__} {value!r}")
@@ -100,8 +113,9 @@ class Param:
                                  f"got shape {tuple(value.shape)}")
             if _tensor_kind(value) != self.dtype:
                 raise TypeError(f"{where} must be a {self.dtype} tensor, got {value.dtype}")
-        if self.min is not None and self.type in ("int", "float") and value < self.min:
-            raise ValueError(f"{where} must be >= {self.min:g}, got {value!r}")
+        if self.type in ("int", "float") and ((self.min is not None and value < self.min)
+                                              or (self.max is not None and value > self.max)):
+            raise ValueError(f"{where} must be{self._bounds()}, got {value!r}")
         return value
 
 
@@ -151,6 +165,18 @@ class Template:
                 raise TemplateError(f"{self.path}:{self.expr_line}: {e}") from None
         return cache[key]
 
+    def check(self) -> None:
+        """Render and parse the expression for every value of the static parameters, so that a
+        broken template shows now and not at its first call; TemplateError names the first problem."""
+        static = [p for p in self.params.values() if p.static]
+        for values in itertools.product(*[(False, True) if p.type == "bool" else p.choices for p in static]):
+            chosen = dict(zip((p.name for p in static), values))
+            try:
+                self.expression(chosen)
+            except TemplateError as e:
+                shown = ", ".join(f"{n}={v!r}" for n, v in chosen.items())
+                raise TemplateError(f"{e} (with {shown})" if shown else str(e)) from None
+
 
 _EXPR_CACHE: dict[Path, dict] = {}
 
@@ -159,12 +185,19 @@ def _parse_param(path: Path, name: str, spec) -> Param:
     where = f"{path}: parameter {name!r}"
     if not isinstance(spec, dict) or spec.get("type") not in PARAM_TYPES:
         raise TemplateError(f"{where} needs a type, one of {', '.join(PARAM_TYPES)}")
-    unknown = set(spec) - {"type", "default", "doc", "choices", "min", "shape", "dtype"}
+    unknown = set(spec) - {"type", "default", "doc", "choices", "min", "max", "shape", "dtype"}
     if unknown:
         raise TemplateError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}")
     kind = spec["type"]
+    for bound in ("min", "max"):
+        value = spec.get(bound)
+        if value is not None and (kind not in ("int", "float") or isinstance(value, bool)
+                                  or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise TemplateError(f"{where}: `{bound}` is a finite number, for int and float parameters only")
+    if spec.get("min") is not None and spec.get("max") is not None and spec["min"] > spec["max"]:
+        raise TemplateError(f"{where}: min {spec['min']} is over max {spec['max']}")
     param = Param(name=name, type=kind, default=spec.get("default", MISSING), doc=str(spec.get("doc", "")),
-                  choices=tuple(spec.get("choices", ())), min=spec.get("min"),
+                  choices=tuple(spec.get("choices", ())), min=spec.get("min"), max=spec.get("max"),
                   shape=tuple(spec.get("shape", ())), dtype=spec.get("dtype", "float"))
     if kind == "choice" and not param.choices:
         raise TemplateError(f"{where}: a choice needs `choices`")
@@ -291,22 +324,62 @@ def _template_dirs(env: str, registered: tuple) -> tuple:
     return tuple(dirs)
 
 
+def _template_files(dirs) -> list[Path]:
+    """The template files of `dirs`, folder by folder, each folder's in name order."""
+    files = []
+    for d in dirs:
+        if not d.is_dir():
+            raise ValueError(f"template folder {str(d)!r} (from {TEMPLATE_PATH_ENV}) does not exist")
+        files += sorted(d.glob("*.yaml"))
+    return files
+
+
+def _duplicate(path: Path, first: Path) -> TemplateError:
+    return TemplateError(f"template {path.stem!r} is defined twice: {first} and {path}")
+
+
 def templates() -> dict[str, Template]:
     """Every known template by name, read again whenever the folders change. A name defined twice
     is an error naming both files."""
     dirs = tuple(template_dirs())
     if _loaded.by_name is None or _loaded.dirs != dirs:
         found: dict[str, Template] = {}
-        for d in dirs:
-            if not d.is_dir():
-                raise ValueError(f"template folder {str(d)!r} (from {TEMPLATE_PATH_ENV}) does not exist")
-            for path in sorted(d.glob("*.yaml")):
-                if path.stem in found:
-                    raise TemplateError(f"template {path.stem!r} is defined twice: {found[path.stem].path} and {path}")
-                found[path.stem] = load_template(path)
+        for path in _template_files(dirs):
+            if path.stem in found:
+                raise _duplicate(path, found[path.stem].path)
+            found[path.stem] = load_template(path)
         _loaded.by_name, _loaded.dirs = found, dirs
         _loaded.generation += 1
     return _loaded.by_name
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One template file as `attngen masks` lists it: the template, or why it cannot be used."""
+    path: Path
+    template: Template | None
+    error: str | None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def check_all() -> list[Checked]:
+    """Every template file of every folder, loaded and checked one by one (`Template.check`): a
+    broken file is reported with its error instead of stopping at the first."""
+    out, first = [], {}
+    for path in _template_files(template_dirs()):
+        try:
+            if path.stem in first:
+                raise _duplicate(path, first[path.stem])
+            first[path.stem] = path
+            template = load_template(path)
+            template.check()
+            out.append(Checked(path, template, None))
+        except (TemplateError, OSError, UnicodeDecodeError) as e:
+            out.append(Checked(path, None, str(e)))
+    return out
 
 
 def generation() -> int:

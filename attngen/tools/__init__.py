@@ -1,2 +1,3 @@
 """Measuring tools: `attngen bench` (bench, with its methods and report formats), `attngen profile`
-(profile), and the FLOP counting and timing they and the tuner share (timing)."""
+(profile), and the FLOP counting, timing and progress display they and the tuner share (timing,
+progress)."""

@@ -22,6 +22,7 @@ from ..argtypes import comma_list
 from ..checks import interpreter_on
 from .. import dtypes
 from .methods import METHODS, Case, Unsupported, build, make_inputs, max_rel_error, parse_mask, reference_results
+from .progress import progress_bar
 from .report import DEFINITIONS, Row, as_csv, as_json, markdown_table, plot, shown, terminal_table
 from .timing import BWD_FACTOR, attention_flops, median_ms
 
@@ -261,8 +262,6 @@ def main(args) -> int:
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install matplotlib (or 'attngen[plot]')") from None
     device = setup_device(args.interpret, "bench")
-    from tqdm import tqdm
-
     env = environment(device)
     print(f"attngen bench on {env['device']}: {len(cases)} case(s) x {len(methods)} method(s); timing: "
           f"{env['timing']}", file=sys.stderr)
@@ -277,7 +276,7 @@ def main(args) -> int:
         if args.plot:
             plot(results, Path(args.plot), env)
 
-    with tqdm(total=len(cases) * len(methods), unit="run", dynamic_ncols=True, file=sys.stderr) as bar:
+    with progress_bar(len(cases) * len(methods), "run") as bar:
         results = run_cases(cases, methods, device, bar, after_case=write_files)
     for name in to_stdout:
         sys.stdout.write(renders[name](results))

@@ -300,12 +300,16 @@ def _read(path: Path, skipped: list[int] | None = None) -> tuple[RegistryFile | 
     if unknown:
         return None, f"unknown top-level fields {', '.join(unknown)}"
     gpu = data.get("gpu")
+    problems = []  # every top-level problem at once: the first alone may not be the one the user made
     if not isinstance(gpu, str) or not re.fullmatch(r"[a-z0-9]+", gpu):
-        return None, f"gpu={gpu!r} must be a gpu key (lowercase letters and digits)"
+        problems.append(f"gpu={gpu!r} must be a gpu key (lowercase letters and digits)")
     if not isinstance(data.get("device_name"), str):
-        return None, f"device_name={data.get('device_name')!r} must be a string"
+        problems.append(f"device_name={data.get('device_name')!r} must be a string")
     if not isinstance(data.get("entries"), list):
-        return None, f"entries must be a list, got {type(data.get('entries')).__name__}"
+        problems.append(f"entries={data.get('entries')!r} must be a list of entries, got "
+                        f"{type(data.get('entries')).__name__}")
+    if problems:
+        return None, "; ".join(problems)
 
     out = RegistryFile(gpu=gpu, device_name=data["device_name"], path=path)
     first_index = {}
@@ -397,6 +401,27 @@ def _replace(path: Path, data: dict):
         raise
 
 
+def file_for(path: Path, gpu: str) -> Path:
+    """The file a registry path means for `gpu`: a folder's `<gpu>.yaml`, or the file itself."""
+    path = Path(path)
+    return path / f"{gpu}.yaml" if path.is_dir() else path
+
+
+def gpus_in(paths: list[Path]) -> list[str]:
+    """The gpu keys that `paths` hold registry files for (a folder's `<gpu>.yaml` names, a file's `gpu`)."""
+    found = set()
+    for path in map(Path, paths):
+        if path.is_dir():
+            found.update(p.stem for p in path.glob("*.yaml"))
+        elif path.is_file():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RegistryWarning)
+                source, _ = _read(path)
+            if source is not None:
+                found.add(source.gpu)
+    return sorted(found)
+
+
 # ---------------------------------------------------------------------------------------------
 # lookups
 
@@ -404,8 +429,11 @@ def _replace(path: Path, data: dict):
 class Registry:
     """Registry files in order of preference: the user's first, then the shipped ones."""
 
-    def __init__(self, sources: list[RegistryFile]):
+    def __init__(self, sources: list[RegistryFile], unusable: dict[Path, str] | None = None,
+                 skipped: dict[Path, list[int]] | None = None):
         self.sources = list(sources)
+        self.unusable = dict(unusable or {})  # file -> why it was ignored (a warning said so)
+        self.skipped = dict(skipped or {})  # file -> indices of its invalid entries (skipped with a warning)
         self._buckets: dict[tuple, list[tuple[int, Entry]]] = {}
         for rank, source in enumerate(self.sources):
             for entry in source.entries.values():
@@ -414,18 +442,18 @@ class Registry:
     @classmethod
     def load(cls, paths: list[Path], gpu: str) -> Registry:
         """Read each path: a folder gives its `<gpu>.yaml`, a file is read as it is."""
-        sources = []
+        sources, unusable, skipped = [], {}, {}
         for path in map(Path, paths):
-            if path.is_dir():
-                path = path / f"{gpu}.yaml"
-            source = load_file(path)
-            if source is None:
-                continue
-            if source.gpu != gpu:
-                _warn(f"ignoring registry {path}: it is for gpu {source.gpu!r}, not {gpu!r}")
-                continue
-            sources.append(source)
-        return cls(sources)
+            path = file_for(path, gpu)
+            source, reason = _read(path, skipped.setdefault(path, []))
+            if source is not None and source.gpu != gpu:
+                source, reason = None, f"it is for gpu {source.gpu!r}, not {gpu!r}"
+            if reason is not None:
+                _warn(f"ignoring registry {path}: {reason}")
+                unusable[path] = reason
+            elif source is not None:
+                sources.append(source)
+        return cls(sources, unusable, {path: indices for path, indices in skipped.items() if indices})
 
     def lookup(self, key: EntryKey) -> tuple[Entry, str] | None:
         """The entry for `key` and why it was chosen; None when no entry fits.

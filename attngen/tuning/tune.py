@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ from ..config import KernelConfig, arch_of
 from ..dtypes import DTYPES
 from ..families import FAMILIES
 from ..paths import cache_dir
+from ..tools.progress import progress_bar
 from . import registry as registry_
 from .objective import OK, Objective, Problem
 from .space import find_space
@@ -124,18 +126,28 @@ def detect(args_gpu: str | None, interpret: bool) -> tuple[str, str, str]:
 
 
 def run_study(problem: Problem, settings: Settings, progress=None):
-    """Create or resume the study of `problem` and run it to `settings.trials` finished trials."""
+    """Create or resume the study of `problem` and run it to `settings.trials` finished trials; a
+    study that already has them says so (on stderr) and runs none."""
     import optuna
 
     space = space_for(problem, settings)
     storage = open_storage(settings.storage)
     values = space.for_arch(settings.arch)
-    study = optuna.create_study(study_name=problem.study_name(settings.gpu), storage=storage,
+    name = problem.study_name(settings.gpu)
+    study = optuna.create_study(study_name=name, storage=storage,
                                 sampler=make_sampler(settings.sampler, values, settings.seed, settings.trials),
                                 direction="maximize", load_if_exists=True)
     finished = lambda: len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))  # noqa: E731
     target = settings.trials if settings.sampler != "grid" else min(settings.trials, space.size(settings.arch))
-    if finished() >= target:
+    done = finished()
+    if done >= target:
+        say = progress.write if progress is not None else print
+        if target < settings.trials:
+            say(f"attngen tune: study {name} has measured all {target} points of its grid; pass --fresh to start "
+                "over", file=sys.stderr)
+        else:
+            say(f"attngen tune: study {name} already has {done} finished trials; --trials {settings.trials} asks "
+                "for none more; raise --trials or pass --fresh to start over", file=sys.stderr)
         return study
     objective = Objective(problem, space, settings.arch, settings.device, settings.compile_timeout)
     if "sdpa_ms" not in study.user_attrs:
@@ -151,14 +163,34 @@ def run_study(problem: Problem, settings: Settings, progress=None):
     if progress is not None:
         progress.reset(total=target)
         progress.update(min(target, finished()))
+        lock = threading.Lock()  # callbacks run in the trials' threads (--jobs)
 
         def advance(study, trial):
-            progress.n = min(target, finished())
-            progress.refresh()
+            with lock:
+                progress.update(min(target, finished()) - progress.n)
         callbacks.append(advance)
     study.optimize(objective, n_trials=None if settings.sampler != "grid" else target, timeout=settings.timeout,
                    n_jobs=settings.jobs, callbacks=callbacks, catch=())
     return study
+
+
+def start_fresh(problems: list[Problem], settings: Settings) -> None:
+    """--fresh: every problem's study starts over. An existing study is copied to
+    `<name>@<date and time>` in the same storage first, then deleted: its trials stay there."""
+    import optuna
+
+    storage = open_storage(settings.storage)
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S.%f")
+    for name in dict.fromkeys(p.study_name(settings.gpu) for p in problems):
+        try:
+            count = len(optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False))
+        except KeyError:
+            continue  # nothing to start over from
+        kept = f"{name}@{stamp}"
+        optuna.copy_study(from_study_name=name, from_storage=storage, to_storage=storage, to_study_name=kept)
+        optuna.delete_study(study_name=name, storage=storage)
+        print(f"attngen tune: --fresh: study {name} starts over; its {count} trials are kept as study "
+              f"{kept}", file=sys.stderr)
 
 
 def starting_points(problem: Problem, settings: Settings, values: dict) -> list[KernelConfig]:
@@ -263,8 +295,6 @@ def check_problems(problems: list[Problem], interpret: bool):
 
 def main(args) -> int:
     """Run `attngen tune` with parsed arguments (see attngen.cli)."""
-    from tqdm import tqdm
-
     if args.interpret:
         if "triton" in sys.modules and not interpreter_on():
             raise ValueError("--interpret needs TRITON_INTERPRET=1 before triton is imported; run `attngen tune "
@@ -292,11 +322,13 @@ def main(args) -> int:
     # fail now, not after the first study, on a bad sampler or space
     for problem in problems:
         make_sampler(settings.sampler, space_for(problem, settings).for_arch(settings.arch), None, 1)
+    if args.fresh and not args.worker_only:  # before any worker starts: the workers share the new studies
+        start_fresh(problems, settings)
     if args.workers > 1 and not args.worker_only:
         open_storage(settings.storage)  # create the storage's tables once, before the workers race to
         run_workers(args, settings)
     else:
-        bar = tqdm(total=settings.trials, unit="trial", dynamic_ncols=True, file=sys.stderr)
+        bar = progress_bar(settings.trials, "trial")
         try:
             for i, problem in enumerate(problems, 1):
                 bar.set_description(f"[{i}/{len(problems)}] {problem.variant} {problem.dtype} d{problem.head_dim} "
@@ -372,7 +404,12 @@ def add_arguments(parser) -> None:
                         "search_spaces/forward_topk.yaml unless --space is given")
     g = parser.add_argument_group("how to search")
     g.add_argument("--gpu", help="the GPU to tune for; must match this machine's (default: detected)")
-    g.add_argument("--trials", type=int, default=None, help="finished trials per problem (default 40)")
+    g.add_argument("--trials", type=int, default=None,
+                   help="finished trials per problem (default 40); a study run before counts the trials it has, "
+                        "so it runs only the rest (none when it has that many: raise --trials or pass --fresh)")
+    g.add_argument("--fresh", action="store_true",
+                   help="start every study over instead of resuming it; the old study is kept in the storage as "
+                        "<name>@<date and time>")
     g.add_argument("--timeout", type=float, default=None, help="seconds per problem")
     g.add_argument("--sampler", default="tpe", choices=SAMPLERS, help="Optuna sampler (default tpe)")
     g.add_argument("--space", help="search space: a file name in search_spaces/ (e.g. forward_small) or a path "
@@ -385,10 +422,12 @@ def add_arguments(parser) -> None:
     g.add_argument("--workers", type=int, default=1, help="worker processes, one per local GPU (default 1)")
     g.add_argument("--jobs", type=int, default=None,
                    help="trials in flight per worker: configs compile in parallel child processes (default 8)")
-    g.add_argument("--compile-timeout", type=float, default=300.0, help="seconds one compilation may take")
+    g.add_argument("--compile-timeout", type=float, default=300.0,
+                   help="seconds one compilation may take (default 300)")
     g.add_argument("--out", help="registry folder to write (default: the user registry; --out tuned/ to commit)")
     g.add_argument("--interpret", action="store_true",
-                   help="no GPU: run the pipeline on tiny shapes under Triton's interpreter ('interpreter' key)")
+                   help="no GPU: run the pipeline on tiny shapes under Triton's interpreter ('interpreter' key); "
+                        "the defaults are then fp16, head dim 32, seq len 64, batch 1, 2 heads, 6 trials, 2 jobs")
     g.add_argument("--worker-only", action="store_true", help="internal: run trials, write nothing")
 
 

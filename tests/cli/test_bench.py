@@ -71,7 +71,11 @@ def test_table_has_every_method_with_numbers_or_reasons(full_run):
     assert rows["sdpa_math"]["note"] == "is_causal=True"
     assert re.match(r"\d+x\d+ w\d+ s\d+ \(no registry entry for interpreter; ", rows["attngen"]["note"])  # the config
     assert "peak MiB: n/a on the CPU" in r.stdout and "not GPU figures" in r.stdout
-    assert "run/s" in r.stderr or "s/run" in r.stderr  # the progress bar
+    # stderr is not a terminal here: a line per finished method, not a progress bar redrawn with \r
+    total = len(methods.METHODS)
+    progress = [line for line in r.stderr.splitlines() if re.search(rf": \d+/{total} runs, \d+ s$", line)]
+    assert len(progress) == total and "\r" not in r.stderr
+    assert progress[0].startswith(f"S=32 fp16 causal fwd: {methods.METHODS[0]}: 1/{total} runs, ")
 
 
 def test_json_csv_markdown_carry_the_numbers_of_the_table(full_run):

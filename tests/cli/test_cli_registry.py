@@ -41,13 +41,65 @@ def test_show_prints_configs_as_attngen_shows_them(user_registry, capsys):
     assert lines[0].split() == ["source", "variant", "kernel", "dtype", "D", "bucket", "group", "config", "ms",
                                 "TFLOP/s", "SDPA", "ms", "speedup", "trials", "date"]
     causal, dense = lines[1:]
+    # interpreter entries: no tma / ws (they mean nothing on the CPU); four significant digits
     assert causal.split() == [str(user_registry), "causal(align='top_left')", "fwd", "fp16", "32", "64", "1", "32x16",
-                              "w4", "s2", "tma", "0.5000", "12.5", "1.0000", "2.00x", "7", "2026-11-29"]
-    assert "  32x16 w4 s2 tma  " in causal and "  16x64 w2 s1 ws  " in dense and dense.split()[-4:-2] == ["n/a", "n/a"]
+                              "w4", "s2", "0.5", "12.5", "1", "2.00x", "7", "2026-11-29"]
+    assert "  32x16 w4 s2  " in causal and "  16x64 w2 s1  " in dense and dense.split()[-4:-2] == ["n/a", "n/a"]
+
+
+def test_show_keeps_small_figures_and_gpu_flags(user_registry, capsys):
+    slow = Entry(EntryKey("none", "fwd", "fp16", 32, 64, 1), KernelConfig(32, 16, 4, 2, use_tma=True).as_dict(),
+                 ms=1234.5678, tflops=1.8123e-05, sdpa_ms=None, trials=7, triton="3.6.0", torch="2.13.0",
+                 date="2026-11-29")
+    registry.write_entries(user_registry, [slow], "interpreter", "Triton interpreter (CPU)")
+    registry.write_entries(user_registry.with_name("h200.yaml"), [slow], "h200", "NVIDIA H200")
+    assert cli.main(["registry", "show"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if " none " in ln and " 64 " in ln]
+    assert line.split()[7:12] == ["32x16", "w4", "s2", "1235", "1.812e-05"]  # not 0.0 TFLOP/s
+    assert cli.main(["registry", "show", "--gpu", "h200"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert str(user_registry.with_name("h200.yaml")) in line and "  32x16 w4 s2 tma  " in line  # a GPU's flag
 
 
 def test_show_without_entries_says_where_it_looked(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ATTNGEN_USER_REGISTRY", str(tmp_path / "empty"))
     monkeypatch.delenv("ATTNGEN_REGISTRY", raising=False)
+    registry.write_entries(tmp_path / "empty" / "a100.yaml", [], "a100", "NVIDIA A100")
     assert cli.main(["registry", "show", "--gpu", "a100"]) == 0
     assert capsys.readouterr().out.startswith("no registry entries for gpu 'a100' in ")
+
+
+@pytest.mark.parametrize("content,reason", [
+    ("version: 2\nentries: [unclosed\n", "not valid YAML at line 3"),
+    ("version: 2\ngpu: interpreter\nentries: 5\n", "device_name=None must be a string; entries=5 must be a list"),
+])
+def test_list_says_a_present_file_is_unusable_and_why(user_registry, capsys, content, reason):
+    user_registry.write_text(content)
+    assert cli.main(["registry", "list"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith(f"{user_registry}: unusable, ignored: {reason}")
+    assert "no file" not in out.splitlines()[0] and "RegistryWarning" not in err
+
+
+def test_list_counts_the_entries_it_skipped(user_registry, capsys):
+    text = user_registry.read_text().replace("block_m: 32", "block_m: 48")  # not a power of two
+    user_registry.write_text(text)
+    assert cli.main(["registry", "list"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{user_registry}: 1 entry (skipped invalid entries 0; `attngen registry show` says why)")
+
+
+def test_a_gpu_without_a_registry_is_an_error_naming_the_ones_there_are(user_registry, capsys):
+    for action in ("list", "show"):
+        assert cli.main(["registry", action, "--gpu", "nosuchgpu"]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert f"attngen registry: error: no registry for gpu 'nosuchgpu': none of {user_registry.parent}" in err
+        shipped = sorted(p.stem for p in registry.shipped_dir().glob("*.yaml"))
+        assert f"registries exist for {', '.join(sorted({'interpreter', *shipped}))} (--gpu KEY picks one" in err
+
+
+def test_a_registry_path_that_does_not_exist_is_an_error(user_registry, monkeypatch, capsys, clean_dispatch):
+    monkeypatch.setenv("ATTNGEN_REGISTRY", "/nonexistent/registry")
+    assert cli.main(["registry", "list"]) == 2
+    assert "ATTNGEN_REGISTRY: '/nonexistent/registry' does not exist" in capsys.readouterr().err

@@ -82,3 +82,48 @@ def test_rendered_source_is_cached_and_reused_across_processes(tmp_path):
                              check=True, cwd=tmp_path)
     assert printed.stdout == files[0].read_text()  # `attngen render` shows exactly what ran
     assert str(files[0]) in printed.stderr
+
+
+BROKEN_NAME = "doc: a typo in the expression\nexpr: 'kv_idx <= q_index'\n"
+# broken only for one value of its static parameter: the check renders every value
+BROKEN_WHEN_FLIPPED = """\
+doc: broken when flip is true
+params:
+  flip: {type: bool, default: false}
+expr: "{% if flip %}kv_idx < nowhere{% else %}kv_idx <= q_idx{% endif %}"
+"""
+
+
+def test_masks_lists_a_broken_template_as_broken_and_check_fails(tmp_path, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "dilated.yaml").write_text(DILATED)
+    (folder / "typo.yaml").write_text(BROKEN_NAME)
+    (folder / "flipped.yaml").write_text(BROKEN_WHEN_FLIPPED)
+    (folder / "notyaml.yaml").write_text("expr: [1, 2\n")
+    registered = templates_.registered_dirs()
+    assert cli.main(["--template-dir", str(folder), "masks"]) == 0  # the listing itself works
+    out, err = capsys.readouterr()
+    assert f"dilated (mask) - {folder / 'dilated.yaml'}" in out and "causal (mask)" in out
+    assert f"typo (BROKEN)\n    error: {folder / 'typo.yaml'}:2: unknown name 'q_index'" in out
+    assert f"flipped (BROKEN)\n    error: {folder / 'flipped.yaml'}:4: unknown name 'nowhere'" in out
+    assert "(with flip=True)" in out and "notyaml (BROKEN)\n    error: " in out and "not valid YAML" in out
+    assert "3 of 12 templates are broken: flipped, notyaml, typo" in err
+    assert cli.main(["--template-dir", str(folder), "masks", "--check"]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]  # one per template
+    assert len(lines) == 12 and f"ok dilated - {folder / 'dilated.yaml'}" in lines
+    assert [line.split(":")[0] for line in lines if line.startswith("BROKEN")] == [
+        "BROKEN flipped", "BROKEN notyaml", "BROKEN typo"]
+    templates_.set_registered_dirs(registered)
+    assert cli.main(["masks", "--check"]) == 0  # the built-in templates are all sound
+    assert "BROKEN" not in capsys.readouterr().out
+
+
+def test_masks_check_reports_a_name_defined_twice(tmp_path, capsys):
+    folder = tmp_path / "dup"
+    folder.mkdir()
+    (folder / "causal.yaml").write_text("expr: kv_idx <= q_idx\n")
+    assert cli.main(["--template-dir", str(folder), "masks", "--check"]) == 1
+    out = capsys.readouterr().out
+    assert f"BROKEN causal: template 'causal' is defined twice: {templates_.template_dirs()[0] / 'causal.yaml'} and " \
+           f"{folder / 'causal.yaml'}" in out

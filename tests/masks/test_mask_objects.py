@@ -5,7 +5,7 @@ import torch
 
 import attngen
 from attngen import masks as masks_
-from helpers import DEVICE, check_forward, rand_qkv
+from helpers import DEVICE, assert_close, check_forward, rand_qkv
 
 
 def test_mask_objects_combine():
@@ -41,8 +41,8 @@ def test_parse_spec():
     assert masks_.parse_spec("none") is None and masks_.parse_spec("  ") is None
     partial = masks_.parse_spec("sliding_window", partial=True)  # run-time parameters may be left out to render
     assert "window" not in partial.terms()[0].values
-    for text, message in [("causal &", "is not valid"), ("causal(align=x)", "parameters must be literals"),
-                          ("causal[0]", "expected name"), ("nope", "unknown mask 'nope'")]:
+    for text, message in [("causal &", "is not valid"), ("causal(align=x)", "parameter 'align' of causal must be a literal"),
+                          ("causal[0]", "expected a template name, or name"), ("nope", "unknown mask 'nope'")]:
         with pytest.raises(ValueError, match=message):
             masks_.parse_spec(text)
     with pytest.raises(TypeError, match="missing parameter 'window'"):
@@ -56,8 +56,25 @@ def test_a_name_is_one_mask_until_the_templates_change(tmp_path):
     attngen.register_template_dir(tmp_path)  # the templates are read again: names are looked up again
     again = masks_.as_mask("causal")
     assert again is not first and again.key == first.key
-    with pytest.raises(TypeError, match="mask must be None, a mask name or an attngen mask object"):
+    with pytest.raises(TypeError, match="mask must be None, a mask spec .* or an attngen mask object"):
         masks_.as_mask(1.5)
+
+
+SPECS = ["sliding_window(window=8)", "sliding_window(window=8) & softcap(cap=20.0)",
+         "causal(align='bottom_right') | prefix_lm(prefix=3)", "causal"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_attention_takes_the_command_lines_mask_specs(spec):
+    """The Python API reads the same spec text as the command line; a spec is parsed once."""
+    first = masks_.as_mask(spec)
+    assert masks_.as_mask(spec) is first and first.call_key == masks_.parse_spec(spec).call_key
+    q, k, v = rand_qkv(1, 2, 1, 20, 30, 16, torch.float32)
+    out = attngen.attention(q, k, v, mask=spec)
+    assert torch.equal(attngen.attention(q, k, v, mask=spec), out)  # the prepared plan: the same result
+    assert torch.equal(attngen.attention(q, k, v, mask=masks_.parse_spec(spec)), out)
+    assert_close(out, attngen.reference.attention(q, k, v, mask=spec), torch.float32)
+    assert masks_.as_mask("none") is None
 
 
 def test_everything_or_anything_is_everything():

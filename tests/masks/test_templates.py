@@ -110,3 +110,44 @@ def test_duplicate_template_names(tmp_path):
     attngen.register_template_dir(folder)
     with pytest.raises(attngen.TemplateError, match="'causal' is defined twice"):
         attngen.mask("causal")
+
+
+BOUNDED = """\
+doc: A temperature on the score, bounded on both sides.
+kind: score
+params:
+  t: {type: float, min: 0.5, max: 2, doc: the temperature}
+  n: {type: int, max: 3, default: 1}
+expr: "score * t * n"
+"""
+
+
+def test_float_and_int_parameters_keep_to_their_bounds(tmp_path):
+    attngen.register_template_dir(write(tmp_path / "mine", "bounded", BOUNDED))
+    params = attngen.templates()["bounded"].params
+    assert params["t"].describe() == "t: float in [0.5, 2]" and params["n"].describe() == "n: int <= 3, default 1"
+    assert attngen.mask("bounded", t=0.5).mods[0].values["t"] == 0.5  # bounds are inclusive
+    assert attngen.mask("bounded", t=2, n=3).mods[0].values == {"t": 2.0, "n": 3}
+    for value in (0.49, 2.01, float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match="mask 'bounded' parameter 't' must be "):
+            attngen.mask("bounded", t=value)
+    with pytest.raises(ValueError, match=r"parameter 't' must be a finite number, got nan"):
+        attngen.mask("bounded", t=float("nan"))
+    with pytest.raises(ValueError, match=r"parameter 't' must be in \[0.5, 2\], got 2.5"):
+        attngen.mask("bounded", t=2.5)
+    with pytest.raises(ValueError, match=r"parameter 'n' must be <= 3, got 4"):
+        attngen.mask("bounded", t=1.0, n=4)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("{type: float, min: abc}", "`min` is a finite number, for int and float parameters only"),
+    ("{type: float, max: .nan}", "`max` is a finite number"),
+    ("{type: bool, min: 0}", "for int and float parameters only"),
+    ("{type: float, min: 2, max: 1}", "min 2 is over max 1"),
+    ("{type: float, min: 1, default: 0.5}", r"bad default: .* must be >= 1, got 0.5"),
+    ("{type: float, default: .inf}", "bad default: .* must be a finite number, got inf"),
+])
+def test_bad_bounds_are_template_errors(tmp_path, spec, message):
+    attngen.register_template_dir(write(tmp_path / "bad", "broken", f"params:\n  x: {spec}\nexpr: 'kv_idx < x'\n"))
+    with pytest.raises(attngen.TemplateError, match=message):
+        attngen.templates()

@@ -194,7 +194,10 @@ GOOD_ENTRY = make_entry().as_dict()
     ("- 1\n- 2\n", "the top level must be a mapping"),
     ("gpu: h200\ndevice_name: x\nentries: []\n", "it has no version"),
     ("version: 3\ngpu: h200\ndevice_name: x\nentries: []\n", "version 3, this attngen reads versions 1, 2"),
-    ("version: 1\ngpu: h200\ndevice_name: x\nentries: {a: 1}\n", "entries must be a list, got dict"),
+    ("version: 1\ngpu: h200\ndevice_name: x\nentries: {a: 1}\n", "entries={'a': 1} must be a list of entries, got dict"),
+    # every top-level problem is named, not only the first checked
+    ("version: 2\ngpu: h200\nentries: 5\n", "device_name=None must be a string; entries=5 must be a list of entries, "
+                                          "got int"),
     ("version: 1\ngpu: H200\ndevice_name: x\nentries: []\n", "gpu='H200' must be a gpu key"),
     ("version: 1\ngpu: h200\nentries: []\n", "device_name=None must be a string"),
     ("version: 1\ngpu: h200\ndevice_name: x\nentries: []\ncomment: hi\n", "unknown top-level fields comment"),

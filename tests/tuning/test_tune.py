@@ -127,6 +127,42 @@ def test_killed_tuner_resumes_without_losing_trials(tmp_path):
         assert after[t.number].params == t.params and after[t.number].value == t.value
 
 
+def finished_study(storage, name: str, trials: int):
+    """A study in `storage` with `trials` finished trials that passed, as a run before this one left it."""
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
+    config = KernelConfig(16, 16, 4, 1).as_dict()
+    distributions = {n: optuna.distributions.CategoricalDistribution([v]) for n, v in config.items()}
+    for i in range(trials):
+        study.add_trial(optuna.trial.create_trial(params=config, distributions=distributions, value=1.0 + i,
+                                                  user_attrs={"status": "ok", "ms": 2.0, "tflops": 1.0 + i}))
+    return study
+
+
+def test_a_study_with_enough_trials_says_so_and_fresh_starts_over(tmp_path):
+    """`--trials 3` on a study that has 5 says why it runs none; `--fresh` starts it over and keeps the old one."""
+    storage = tune.open_storage(str(tmp_path / "cache" / "tune" / "studies.journal"))
+    name = Problem(mask="causal", dtype="fp16", batch=1, heads=2, kv_heads=2, seq_len=48,
+                   head_dim=16).study_name("interpreter")
+    finished_study(storage, name, 5)
+    options = ("--mask", "causal", "--seq-len", "48", "--head-dim", "16", "--jobs", "1")
+    r = run_tune(tmp_path, *options, "--trials", "3")
+    assert r.returncode == 0, r.stderr
+    assert (f"attngen tune: study {name} already has 5 finished trials; --trials 3 asks for none more; raise "
+            "--trials or pass --fresh to start over") in r.stderr
+    assert "1 of 1 problems have a winner" in r.stdout  # the old winner, recorded
+    r = run_tune(tmp_path, *options, "--trials", "1", "--fresh")
+    assert r.returncode == 0, r.stderr
+    (kept,) = [s.study_name for s in optuna.get_all_study_summaries(storage) if s.study_name != name]
+    assert kept.startswith(f"{name}@")
+    assert f"attngen tune: --fresh: study {name} starts over; its 5 trials are kept as study {kept}" in r.stderr
+    assert len(optuna.load_study(study_name=kept, storage=storage).trials) == 5  # nothing lost
+    new = optuna.load_study(study_name=name, storage=storage).get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert len(new) == 1
+    # stderr is not a terminal here: one progress line per finished trial, no redrawn bar
+    assert "\r" not in r.stderr
+    assert "[1/1] causal(align='top_left') fp16 d16 s48: 1/1 trials, " in r.stderr
+
+
 def test_workers_share_one_study(tmp_path):
     """--workers 2: two processes on the default journal storage split one study's trials."""
     r = run_tune(tmp_path, "--mask", "none", "--trials", "6", "--jobs", "1", "--workers", "2", "--seq-len", "32",
