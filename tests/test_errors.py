@@ -21,7 +21,7 @@ def qkv(q_shape=(1, 4, 8, 16), k_shape=(1, 2, 8, 16), dtype=torch.float16, devic
     (qkv(dtype=torch.float64), {}, TypeError, "q has dtype torch.float64; supported: float16, bfloat16, float32"),
     ((torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16)), {}, TypeError,
      "k has dtype torch.float16 but q has torch.float32"),
-    (qkv(), {"mask": "no_such_mask"}, ValueError, r"unknown mask 'no_such_mask'; known: alibi, block_sparse, causal, chunked"),
+    (qkv(), {"mask": "no_such_mask"}, ValueError, r"unknown mask 'no_such_mask'; known: alibi, bias, block_sparse, causal, chunked"),
     (qkv(), {"mask": 3}, TypeError, r"mask must be None, a mask spec \(a template name, or name\(param=value, "
      r"\.\.\.\), joined by & and \|, e\.g\. 'sliding_window\(window=256\) & softcap\(cap=30\.0\)'\) or an attngen "
      "mask object, got int"),
