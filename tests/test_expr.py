@@ -60,3 +60,14 @@ def test_tensor_parameters_read_zero_outside():
 def test_rejected(text, message):
     with pytest.raises(ExprError, match=message):
         expr(text, {"ids": 1})
+
+
+def test_substitute_replaces_names_not_tensor_names():
+    e = Expr("(q_idx + kv_len - q_len) - kv_idx < window", set(INDEX_NAMES) | {"window"}, {})
+    local = e.substitute({"q_idx": "q_idx - start[q_idx]", "q_len": "n[q_idx]"}, {"start": 1, "n": 1})
+    assert local.text == "q_idx - start[q_idx] + kv_len - n[q_idx] - kv_idx < window"
+    env = dict(q_idx=torch.tensor([5]), kv_idx=torch.tensor([4]), kv_len=10, window=3,
+               start=torch.tensor([0, 0, 0, 0, 0, 3]), n=torch.tensor([0, 0, 0, 0, 0, 8]))
+    # local q_idx 2, q_len 8: 2 + 10 - 8 - 4 = 0 < 3
+    assert bool(local.evaluate(env))
+    assert "start" in local.names and "start" not in e.names
