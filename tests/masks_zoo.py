@@ -30,6 +30,12 @@ def _layout(b, h, sq, sk, dev):
     return attngen.block_sparse(layout, (64, 48))
 
 
+def _key_padding(b, h, sq, sk, dev):
+    """Left padding, as Hugging Face's 2D attention_mask: batch row i starts with 7 * i padding keys."""
+    keep = torch.arange(sk, device=dev) >= 7 * torch.arange(b, device=dev)[:, None]
+    return attngen.mask("key_padding", keep=keep)
+
+
 M = attngen.mask
 ZOO = {
     "none": lambda b, h, sq, sk, dev: None,
@@ -54,6 +60,7 @@ ZOO = {
     "causal&document": lambda b, h, sq, sk, dev: M("causal") & _doc(b, h, sq, sk, dev),
     "sliding_window|prefix_lm": lambda b, h, sq, sk, dev: M("sliding_window", window=16) | M("prefix_lm", prefix=40),
     "chunked&causal&softcap": lambda b, h, sq, sk, dev: M("chunked", chunk=64) & M("causal") & M("softcap", cap=2.0),
+    "key_padding&causal": lambda b, h, sq, sk, dev: _key_padding(b, h, sq, sk, dev) & M("causal", align="bottom_right"),
     "causal&alibi": lambda b, h, sq, sk, dev: M("causal") & _alibi(b, h, sq, sk, dev),
     "(causal|chunked)&document&alibi&softcap": lambda b, h, sq, sk, dev: (
         (M("causal") | M("chunked", chunk=32)) & _doc(b, h, sq, sk, dev) & _alibi(b, h, sq, sk, dev)
