@@ -5,7 +5,7 @@
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attngen")
 
 register() adds two functions under the name "attngen":
-- `attention_mask` (transformers' AttentionMaskInterface): transformers calls it once per forward
+- `build_mask` (transformers' AttentionMaskInterface): transformers calls it once per forward
   and layer type with the mask pattern as a Python function (causal, sliding window, ...), the 2D
   padding mask and the cache offsets. It recognises the pattern and returns an `AttngenMask`: an
   attngen mask object and the number of keys it covers. No (B, 1, Sq, Sk) tensor is built, and a
@@ -52,12 +52,12 @@ NAME = "attngen"
 def register() -> None:
     """Make attn_implementation="attngen" available to every transformers model."""
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, attention_mask)
+    AttentionMaskInterface.register(NAME, build_mask)
 
 
 @dataclass(eq=False)
 class AttngenMask:
-    """What `attention_mask` hands the attention layers of one type for one forward."""
+    """What `build_mask` hands the attention layers of one type for one forward."""
 
     mask: attngen.Mask | None  # which keys each query sees (None: all of them)
     kv_len: int  # the keys the mask covers: each layer cuts its K and V to these
@@ -122,7 +122,7 @@ def _pattern(mask_function) -> tuple[bool, int | None] | None:
     return None
 
 
-def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                    mask_function=None, attention_mask=None, **kwargs) -> AttngenMask:
     """transformers' mask function for "attngen" (AttentionMaskInterface): the AttngenMask of one
     forward. Query i is at position q_offset + i and key j at kv_offset + j; `attention_mask` is

@@ -149,23 +149,23 @@ def test_masks_are_attngen_masks_not_dense_tensors():
     window with the cache's offsets (positions 10..23 hold the keys, 20..23 the queries)."""
     keep = torch.ones(2, 24, dtype=torch.bool)
     keep[1, :12] = False
-    m = hf.attention_mask(2, 24, 24, mask_function=transformers.masking_utils.causal_mask_function,
+    m = hf.build_mask(2, 24, 24, mask_function=transformers.masking_utils.causal_mask_function,
                           attention_mask=keep)
     assert isinstance(m, hf.AttngenMask) and m.kv_len == 24 and m.window is None
     assert m.mask.variant == "causal(align='top_left') & key_padding"
     assert torch.equal(m.mask.terms()[1].values["keep"], keep)
 
     window = transformers.masking_utils.sliding_window_causal_mask_function(7)
-    m = hf.attention_mask(2, 4, 14, q_offset=20, kv_offset=10, mask_function=window, attention_mask=keep)
+    m = hf.build_mask(2, 4, 14, q_offset=20, kv_offset=10, mask_function=window, attention_mask=keep)
     assert m.kv_len == 14 and m.window == 7
     assert m.mask.variant == "sliding_window(align='bottom_right', two_sided=False) & key_padding"
     assert torch.equal(m.mask.terms()[1].values["keep"], keep[:, 10:24])
 
     # a static cache: 32 slots, 20 filled; the keys after the last query are cut
-    m = hf.attention_mask(2, 4, 32, q_offset=torch.tensor(16), mask_function=window, attention_mask=keep)
+    m = hf.build_mask(2, 4, 32, q_offset=torch.tensor(16), mask_function=window, attention_mask=keep)
     assert m.kv_len == 20 and m.mask.variant == "sliding_window(align='bottom_right', two_sided=False) & key_padding"
     # no padding: no key_padding term
-    m = hf.attention_mask(2, 4, 24, q_offset=20, mask_function=window, attention_mask=torch.ones(2, 24))
+    m = hf.build_mask(2, 4, 24, q_offset=20, mask_function=window, attention_mask=torch.ones(2, 24))
     assert m.mask.variant == "sliding_window(align='bottom_right', two_sided=False)"
 
 
@@ -173,7 +173,7 @@ def test_dropout_is_attngens_with_the_layers_probability():
     """The layer's dropout goes to attngen.attention (torch's generator: the same seed, the same mask);
     in train mode a model with attention dropout gives other logits than in eval mode."""
     q, k, v = rand_qkv(2, 4, 2, 20, 20, 16, torch.float32)
-    mask = hf.attention_mask(2, 20, 20, mask_function=transformers.masking_utils.causal_mask_function)
+    mask = hf.build_mask(2, 20, 20, mask_function=transformers.masking_utils.causal_mask_function)
     torch.manual_seed(3)
     out, weights = hf.attention_forward(None, q, k, v, mask, dropout=0.3, scaling=0.2)
     torch.manual_seed(3)
@@ -189,9 +189,9 @@ def test_dropout_is_attngens_with_the_layers_probability():
 
 def test_unsupported_input_says_so():
     q, k, v = rand_qkv(1, 4, 2, 8, 8, 16, torch.float32)
-    mask = hf.attention_mask(1, 8, 8, mask_function=transformers.masking_utils.causal_mask_function)
+    mask = hf.build_mask(1, 8, 8, mask_function=transformers.masking_utils.causal_mask_function)
     with pytest.raises(NotImplementedError, match="packed sequences found from position_ids"):
-        hf.attention_mask(1, 8, 8, mask_function=transformers.masking_utils.packed_sequence_mask_function(
+        hf.build_mask(1, 8, 8, mask_function=transformers.masking_utils.packed_sequence_mask_function(
             torch.zeros(1, 8, dtype=torch.long)))
     with pytest.raises(TypeError, match="a prepared 4D attention_mask passed to the model is not supported"):
         hf.attention_forward(None, q, k, v, torch.zeros(1, 1, 8, 8))
