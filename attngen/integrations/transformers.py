@@ -21,12 +21,13 @@ What maps to what (positions as transformers counts them, the cache offsets incl
   `sliding_window(window=W)`, the same convention; bidirectional W (|q - k| <= W):
   `sliding_window(window=W + 1, two_sided=True)`.
 - a 2D attention_mask with zeros (padding): `& key_padding(keep=...)`; a padding query that sees
-  no key gets output 0 (eager gives it an average of all values: neither is used downstream).
+  no key gets output 0 (eager gives it the average of every value: no implementation defines it,
+  and under left padding the first real token is predicted from it, so keep that label out).
 - softcap (Gemma-2): `& softcap(cap=...)`, cap * tanh(score / cap) on the scaled score, as Gemma.
 - dropout: attngen's dropout with the layer's probability (0 outside training).
 Anything else (packed sequences found from position_ids, chunked attention, custom mask
-functions, a prepared 4D mask, paged caches, attention sinks, position bias, output_attentions)
-raises an error that says so.
+functions, a prepared 4D mask, generate() with a static cache, paged caches, attention sinks,
+position bias, output_attentions) raises an error that says so.
 """
 
 from __future__ import annotations
