@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from . import masks as masks_
+from .version import __version__
 
 
 def _add_mask_option(parser: argparse.ArgumentParser):
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="attngen", description="Generate, tune and run Triton attention kernels.",
         epilog=f"Mask templates are read from the built-in folder, from {masks_.TEMPLATE_PATH_ENV} "
                "(folders separated by ':') and from every --template-dir.")
+    parser.add_argument("--version", action="version", version=f"attngen {__version__}")
     parser.add_argument("--template-dir", action="append", default=[], metavar="DIR",
                         help="a folder of your own mask templates (*.yaml); may be repeated")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -42,6 +42,12 @@ def _bias(b, h, sq, sk, dev):
     return attngen.mask("bias", bias=torch.randn(1, h, sq, sk, device=dev))
 
 
+def _key_padding(b, h, sq, sk, dev):
+    """Left padding, as Hugging Face's 2D attention_mask: batch row i starts with 7 * i padding keys."""
+    keep = torch.arange(sk, device=dev) >= 7 * torch.arange(b, device=dev)[:, None]
+    return attngen.mask("key_padding", keep=keep)
+
+
 M = attngen.mask
 ZOO = {
     "none": lambda b, h, sq, sk, dev: None,
@@ -70,6 +76,7 @@ ZOO = {
     "sliding_window|prefix_lm": lambda b, h, sq, sk, dev: M("sliding_window", window=16) | M("prefix_lm", prefix=40),
     "chunked&causal&softcap": lambda b, h, sq, sk, dev: M("chunked", chunk=64) & M("causal") & M("softcap", cap=2.0),
     "keep&causal&bias": lambda b, h, sq, sk, dev: _keep(b, h, sq, sk, dev) & M("causal") & _bias(b, h, sq, sk, dev),
+    "key_padding&causal": lambda b, h, sq, sk, dev: _key_padding(b, h, sq, sk, dev) & M("causal", align="bottom_right"),
     "causal&alibi": lambda b, h, sq, sk, dev: M("causal") & _alibi(b, h, sq, sk, dev),
     "(causal|chunked)&document&alibi&softcap": lambda b, h, sq, sk, dev: (
         (M("causal") | M("chunked", chunk=32)) & _doc(b, h, sq, sk, dev) & _alibi(b, h, sq, sk, dev)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import attngen
+from attngen import cli
 from attngen.families import FAMILIES
 from attngen.paths import data_dir
 
@@ -44,3 +45,10 @@ def test_the_version_is_written_once():
     from attngen.version import __version__
 
     assert attngen.__version__ is __version__ and __version__.count(".") == 2
+
+
+def test_version_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"attngen {attngen.__version__}\n"

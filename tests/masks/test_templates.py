@@ -10,8 +10,8 @@ from helpers import DILATED, DEVICE, check_forward, rand_qkv
 
 
 
-KEY_PADDING = """\
-doc: Key padding from a per-batch validity tensor (nonzero = real token).
+VALID_KEYS = """\
+doc: Key padding from a per-batch validity tensor of ints (nonzero = real token).
 params:
   keep: {type: tensor, shape: [batch, kv_len], dtype: int}
 expr: "keep[b, kv_idx] != 0"
@@ -34,13 +34,13 @@ def write(folder, name, text):
 
 def test_custom_template_end_to_end(tmp_path):
     folder = write(tmp_path / "mine", "dilated", DILATED)
-    write(folder, "key_padding", KEY_PADDING)
+    write(folder, "valid_keys", VALID_KEYS)
     write(folder, "signed", SIGNED)
     attngen.register_template_dir(folder)
     q, k, v = rand_qkv(2, 2, 2, 90, 120, 32, torch.float16)
     check_forward(q, k, v, attngen.mask("dilated", dilation=3))
     keep = (torch.rand(2, 120) > 0.3).to(torch.int32).to(DEVICE)
-    check_forward(q, k, v, attngen.mask("key_padding", keep=keep) & attngen.mask("causal", align="bottom_right"))
+    check_forward(q, k, v, attngen.mask("valid_keys", keep=keep) & attngen.mask("causal", align="bottom_right"))
     check_forward(q, k, v, attngen.mask("signed", period=5))
     check_forward(q, k, v, attngen.mask("signed", period=-7, flip=True) | attngen.mask("dilated", dilation=2))
     # a dilation of 3 hides two keys in three: the reference agrees with a hand count
@@ -66,7 +66,7 @@ def test_registered_folders_are_listed_and_restored(tmp_path):
 def test_every_builtin_template_has_a_doc_and_loads():
     builtin = templates_.template_dirs()[0]
     assert sorted(p.stem for p in builtin.glob("*.yaml")) == sorted(attngen.templates())
-    assert len(attngen.templates()) == 11
+    assert len(attngen.templates()) == 12
     for name, template in attngen.templates().items():
         assert template.doc, f"{name} has no doc"
         assert templates_.load_template(template.path).expr_text == template.expr_text
