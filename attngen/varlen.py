@@ -79,7 +79,8 @@ def _positions(cu_q, cu_k, total_q: int, total_k: int) -> dict:
         seq = torch.where(inside, seq, outside)
         start = torch.where(inside, cu.gather(0, seq.clamp(min=0)), 0)
         length = torch.where(inside, cu.gather(0, (seq + 1).clamp(min=0, max=cu.numel() - 1)) - start, 0)
-        return seq, start, length
+        # int32: half the registers of int64 in the kernel's masked tiles
+        return seq.to(torch.int32), start.to(torch.int32), length.to(torch.int32)
 
     q_seq, q_start, q_len = side(cu_q, total_q, -1)
     kv_seq, kv_start, kv_len = side(cu_k, total_k, -2)

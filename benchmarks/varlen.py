@@ -46,10 +46,12 @@ def profile(fns: dict, q, k, v, cu, lens, device):
     doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
     document = attngen.mask("document", doc_ids=doc) & attngen.mask("causal")
     packed = [x.transpose(0, 1)[None] for x in (q, k, v)]
+    sequences = attngen.mask("sequences", q_seq=doc, kv_seq=doc) & attngen.mask("causal")  # no __local terms
     contiguous = [x.contiguous() for x in packed]
     fns = dict(fns, attngen_document=lambda q, k, v: attngen.attention(*packed, mask=document),
                attngen_document_contiguous=lambda q, k, v: attngen.attention(*contiguous, mask=document),
-               attngen_causal_all=lambda q, k, v: attngen.attention(*contiguous, mask="causal"))
+               attngen_causal_all=lambda q, k, v: attngen.attention(*contiguous, mask="causal"),
+               attngen_sequences_and_global_causal=lambda q, k, v: attngen.attention(*packed, mask=sequences))
     for name, fn in fns.items():
         fn(q, k, v)
         torch.cuda.synchronize()
