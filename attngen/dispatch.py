@@ -107,7 +107,8 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     """The config `family` runs a call with (checked inputs; topk as check_topk returns it)."""
     bucket = registry_.seq_bucket(shape.kv_len)
     rows = min(query_rows(shape.q_len), 1 << 20)
-    cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, shape.group,
+    group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
+    cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
                  mask.key if mask is not None else None, rows, topk_pad(topk))
     choice = _choices.get(cache_key)
     if choice is not None:
@@ -116,7 +117,7 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     gpu = gpu_of(q.device)
     variant = registry_.variant_of(mask, topk)
     key = registry_.EntryKey(variant=variant, kernel=family.name, dtype=DTYPE_NAMES[q.dtype],
-                             head_dim=shape.head_dim, seq_bucket=bucket, group=shape.group)
+                             head_dim=shape.head_dim, seq_bucket=bucket, group=group)
     found = registry_for(gpu).lookup(key)
     if found is not None:
         entry, reason = found
@@ -129,7 +130,7 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
         source += f"; {note}"
     choice = _choices.put(cache_key, Choice(config, source, variant, family.name), generation)
     log.debug("attngen: %s %s %s d%d s%d (bucket %d) group %d -> %s (%s)", family.name, variant, key.dtype,
-              shape.head_dim, shape.kv_len, bucket, shape.group, config, source)
+              shape.head_dim, shape.kv_len, bucket, group, config, source)
     return choice
 
 

@@ -104,7 +104,7 @@ def forward(q, k, v, mask, shape, scale: float, topk: int, return_lse: bool, con
     out, lse = _outputs(q, shape, return_lse, out, lse)
     use_tma = config.use_tma and tma_eligible(q, k, v)
     thr = None
-    if shape.q_len > 0:
+    if q.numel() > 0:  # else there is nothing to compute (B, Hq or Sq is 0), nor a tile to launch
         thr = Thresholds(q, k, bound, structure, shape, scale, topk, config, tuning).run(q, k) if topk else None
         if use_tma:
             ensure_allocator()

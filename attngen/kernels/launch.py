@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 
 import torch
 
@@ -63,18 +64,33 @@ def launcher(kernel, grid: tuple):
 
     Triton's interpreter runs a launch in global state (it patches triton.language and keeps the
     program id in one builder), so two threads launching at once under it fail ("Did you forget to
-    add @triton.jit?") or compute wrong results: there, launches take turns. A compiled kernel
-    launches as it is, without a lock.
+    add @triton.jit?") or compute wrong results: there, launches take turns. It computes with numpy,
+    whose warnings about inf and NaN (IEEE arithmetic the kernels rely on: -inf scores of hidden
+    keys, NaN inputs) and about its own scalar conversions are not the caller's: they are silenced.
+    A compiled kernel launches as it is, without a lock.
     """
     launch = kernel[grid]
     if not interpreter_on():
         return launch
+    import numpy as np
+
+    _quiet_interpreter()
 
     def serialised(*args, **kwargs):
-        with _INTERPRETER_LOCK:
+        with _INTERPRETER_LOCK, np.errstate(all="ignore"):
             return launch(*args, **kwargs)
 
     return serialised
+
+
+@functools.cache
+def _quiet_interpreter() -> None:
+    """Ignore, where Triton's interpreter raises them (nowhere else), numpy's warning about the
+    1-element arrays Triton 3.6 converts to ints in loop bounds (deprecated since numpy 1.25) and
+    np.nanmax's about rows that are all NaN (a NaN input's row)."""
+    for message, category in (("Conversion of an array with ndim > 0 to a scalar", DeprecationWarning),
+                              ("All-NaN slice encountered", RuntimeWarning)):
+        warnings.filterwarnings("ignore", message=message, category=category, module=r"triton\.runtime\.interpreter")
 
 
 # ---------------------------------------------------------------------------------------
