@@ -4,6 +4,7 @@ and the fast path's plans hold none of a call's tensors (host and device memory 
 import gc
 import weakref
 
+import pytest
 import torch
 
 import attngen
@@ -78,3 +79,20 @@ def test_a_plan_keeps_none_of_the_tensors_of_its_call():
     out, _ = attngen.attention(q, k, v, mask="causal", topk=3, return_lse=True)
     assert len(api._plans) == 1
     assert_close(out, attngen.reference.attention(q, k, v, mask="causal", topk=3), torch.float32)
+
+
+@pytest.mark.gpu
+def test_device_memory_stays_bounded_under_new_shapes(monkeypatch):
+    """Calls with ever new shapes, every cache cut to 4 entries: once the caches are full, the
+    device memory allocated between calls stops growing (the plans keep no call's tensors)."""
+    for cache in caches.all_caches().values():
+        monkeypatch.setattr(cache, "limit", 4)
+        cache.clear()
+    allocated = []
+    for i in range(60):
+        q, k, v = rand_qkv(2, 4, 2, 500 + 37 * i, 700 + 41 * i, 64, torch.float16, device="cuda")
+        attngen.attention(q, k, v, mask="causal", topk=8 if i % 2 else None)
+        del q, k, v
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert max(allocated[30:]) <= max(allocated[10:30]) + (1 << 20), allocated

@@ -271,12 +271,15 @@ def call(case: Case, fn, q, k, v, mask):
 
 def check_values(case: Case, pairs) -> list[str]:
     """Problems of each (name, got, reference, tolerance[, floor]): shape, NaN and inf, the finite
-    values (relative error, over the reference's norm or `floor` where that is larger)."""
+    values (relative error, over the reference's norm or `floor` where that is larger). The
+    reference is first rounded to the result's dtype, as the best result could only be: a value
+    under fp16's range (dropout keeping only a weight of 1e-9) is 0 there."""
     problems = []
     for name, g, w, tol, *floor in pairs:
         if g.shape != w.shape:
             problems.append(f"{name}: shape {tuple(g.shape)}, the reference's {tuple(w.shape)}")
             continue
+        w = w.to(g.dtype).to(torch.float64)
         w_bad = ~torch.isfinite(w)
         if case.nonfinite == "v" and name == "out":  # NaN from v reaches at least the rows that see it
             if (~torch.isfinite(g) & ~w_bad).any():
@@ -380,10 +383,11 @@ def chunk_indices(chunk: int) -> list[int]:
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_fuzz(chunk):
     outcomes, failures = collections.Counter(), []
-    for index in chunk_indices(chunk):
+    indices = chunk_indices(chunk)
+    for index in indices:
         case = make_case(index)
         problems = run_case(case, outcomes)
         if problems:
             failures.append(f"{case}\n    " + "\n    ".join(problems))
-    print(f"\nfuzz chunk {chunk}: {sum(outcomes.values())} cases, seed {SEED}: {dict(sorted(outcomes.items()))}")
+    print(f"\nfuzz chunk {chunk}: {len(indices)} cases, seed {SEED}: {dict(sorted(outcomes.items()))}")
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:5])
