@@ -10,7 +10,7 @@ import torch
 import attngen
 from attngen import api, caches
 from attngen.caches import BoundedCache
-from helpers import assert_close, rand_qkv
+from helpers import DEVICE, assert_close, rand_qkv
 
 
 def test_a_bounded_cache_drops_the_least_recently_used():
@@ -42,24 +42,26 @@ def test_every_cache_stays_within_its_bound(monkeypatch, clean_dispatch):
     """Many calls with new shapes, masks and parameters, every cache's limit cut to 3: each one
     fills up and never holds more; the results stay right."""
     named = caches.all_caches()
-    assert {"api.plans", "dispatch.choices", "dispatch.registries", "blocks.structures", "launch.modules",
-            "launch.names", "render.modules"} <= set(named)
+    assert {"api.plans", "api.tensor_plans", "dispatch.choices", "dispatch.registries", "blocks.structures",
+            "launch.modules", "launch.names", "render.modules", "masks.specs"} <= set(named)
     for cache in named.values():
         monkeypatch.setattr(cache, "limit", 3)
         cache.clear()
     peak = dict.fromkeys(named, 0)
-    masks = [None, "causal", attngen.mask("sliding_window", window=2), attngen.mask("sliding_window", window=5),
-             attngen.mask("causal") & attngen.mask("softcap", cap=3.0)]
     for i in range(15):
         q, k, v = rand_qkv(1, 1 + i % 2, 1, 1 + i, 2 + 3 * i, 4 << (i % 3), torch.float32)
-        mask, topk = masks[i % len(masks)], (2 if i % 4 == 3 else None)
+        ids = torch.arange(2 + 3 * i, device=DEVICE) // 3  # a new tensor: a plan of its own
+        mask = [None, "causal", f"sliding_window(window={i + 1})", attngen.mask("document", doc_ids=ids),
+                attngen.mask("causal") & attngen.mask("softcap", cap=3.0)][i % 5]
+        topk = 2 if i % 4 == 3 else None
         out = attngen.attention(q, k, v, mask=mask, topk=topk)
         if i % 5 == 0:
             assert_close(out, attngen.reference.attention(q, k, v, mask=mask, topk=topk), torch.float32)
         for name, cache in named.items():
             assert len(cache) <= 3, f"{name} holds {len(cache)} entries"
             peak[name] = max(peak[name], len(cache))
-    for name in ("api.plans", "dispatch.choices", "blocks.structures", "launch.modules", "render.modules"):
+    for name in ("api.plans", "api.tensor_plans", "dispatch.choices", "blocks.structures", "launch.modules",
+                 "render.modules", "masks.specs"):
         assert peak[name] == 3, f"{name} never filled up: the test did not exercise its bound"
 
 
