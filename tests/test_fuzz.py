@@ -182,10 +182,11 @@ def make_case(index: int) -> Case:
     fault = rng.choices(["none", "tensors", "argument", "mask"], weights=[70, 12, 9, 9])[0]
     notes, invalid = [f"fault: {fault}"], None
     dtype = rng.choice(DTYPES)
-    batch = rng.choice([0, 1, 1, 2, 3])
+    zero = [rng.random() < 0.07 for _ in range(3)]  # B, Hq, Sq of 0: an empty output (a fifth of the calls)
+    batch = 0 if zero[0] else rng.choice([1, 1, 2, 3])
     kv_heads = rng.choice([1, 1, 2])
-    heads = kv_heads * rng.choice([0, 1, 1, 2, 3])
-    q_len = rng.choice([0, 1, 1, 2, rng.randint(3, 20), rng.randint(3, 20), 33])
+    heads = 0 if zero[1] else kv_heads * rng.choice([1, 1, 2, 3])
+    q_len = 0 if zero[2] else rng.choice([1, 1, 2, rng.randint(3, 20), rng.randint(3, 20), 33])
     kv_len = rng.choice([1, 1, 2, rng.randint(3, 24), rng.randint(3, 24), 40])
     head_dim = rng.choice([1, 2, 3, 8, 16, 17, 32])
     shapes = [[batch, heads, q_len, head_dim], [batch, kv_heads, kv_len, head_dim], [batch, kv_heads, kv_len, head_dim]]
@@ -338,6 +339,12 @@ def run_case(case: Case, outcomes: collections.Counter) -> list[str]:
         outcomes["invalid case ran"] += 1
         return [f"ran, but the case is invalid ({case.invalid})"]
     outcomes["ran"] += 1
+    topk = case.kwargs.get("topk")
+    for feature, present in (("an empty output", case.q.numel() == 0), ("a mask", mask is not None),
+                             ("top-k", topk is not None and topk < case.k.shape[2]),
+                             ("dropout", case.kwargs.get("dropout_p", 0) > 0), ("gradients", case.grad),
+                             ("NaN or inf", case.nonfinite is not None)):
+        outcomes[f"ran with {feature}"] += present
     problems = []
     for name, t in zip(("out", "lse"), got):
         want = (case.q.shape, case.q.dtype) if name == "out" else (case.q.shape[:3], torch.float32)
@@ -349,7 +356,8 @@ def run_case(case: Case, outcomes: collections.Counter) -> list[str]:
     with torch.enable_grad():
         want = call(case, attngen.reference.attention, *ref_inputs, mask)
     rows = near_tie_rows(case, ref_inputs, mask)  # top-k rows whose selection fp32 rounding may change
-    if rows.any():
+    if topk is not None and topk < case.k.shape[2]:
+        outcomes["top-k rows"] += rows.numel()
         outcomes["top-k rows left out (near ties)"] += int(rows.sum())
     pairs = [(name, g.detach()[~rows], w.detach()[~rows], tol) for name, g, w, tol
              in zip(("out", "lse"), got, want, (TOLERANCE[case.q.dtype], LSE_TOLERANCE))]
