@@ -17,11 +17,11 @@ THREADS = 8
 
 
 def cases(device, scale: int):
-    """Ten calls of mixed shapes, dtypes and masks (a tensor mask takes the checked path, the others
-    the fast path's plans), two of them top-k; `scale` multiplies the lengths."""
+    """Ten calls of mixed shapes, dtypes and masks (a spec string, a mask with a tensor: plans of
+    their own), two of them top-k; `scale` multiplies the lengths."""
     generator = torch.Generator().manual_seed(0)
     ids = (torch.arange(11 * scale) // (4 * scale)).to(device)[None]
-    masks = [None, "causal", attngen.mask("sliding_window", window=3 * scale), attngen.mask("document", doc_ids=ids),
+    masks = [None, "causal", f"sliding_window(window={3 * scale})", attngen.mask("document", doc_ids=ids),
              attngen.mask("causal") & attngen.mask("softcap", cap=5.0)]
     out = []
     for i, (q_len, head_dim) in enumerate([(3, 16), (9, 8)]):

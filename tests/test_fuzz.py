@@ -6,7 +6,7 @@ Every call either matches the float64 reference (attngen.reference) within the d
 with NaN and inf exactly where the README's "NaN and inf" puts them, or, for a case made invalid
 on purpose, raises a ValueError or TypeError whose message names what is wrong. Anything else
 fails: another exception (a crash inside Triton), an invalid case that runs, a valid one that
-raises, NaN where the reference is finite.
+raises, NaN where the reference is finite, a warning that reaches the caller.
 
     ATTNGEN_FUZZ_CASES=5000 pytest tests/test_fuzz.py -s     # more cases, and a summary of each chunk
     ATTNGEN_FUZZ_SEED=7 ...                                   # other cases (default 26)
@@ -18,6 +18,7 @@ import math
 import os
 import random
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -323,8 +324,10 @@ def run_case(case: Case, outcomes: collections.Counter) -> list[str]:
     if case.grad:
         q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     try:
-        mask = case.mask()
-        got = call(case, attngen.attention, q, k, v, mask)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", append=True)  # every warning that no earlier filter stops
+            mask = case.mask()
+            got = call(case, attngen.attention, q, k, v, mask)
     except (ValueError, TypeError) as e:
         outcomes[f"{type(e).__name__} ({case.invalid or 'valid case!'})"] += 1
         if case.invalid is None:
@@ -339,6 +342,8 @@ def run_case(case: Case, outcomes: collections.Counter) -> list[str]:
         outcomes["invalid case ran"] += 1
         return [f"ran, but the case is invalid ({case.invalid})"]
     outcomes["ran"] += 1
+    if caught:
+        return [f"warnings reached the caller: {[str(w.message) for w in caught]}"]
     topk = case.kwargs.get("topk")
     for feature, present in (("an empty output", case.q.numel() == 0), ("a mask", mask is not None),
                              ("top-k", topk is not None and topk < case.k.shape[2]),

@@ -57,6 +57,8 @@ def module_for(template: str, mask: masks_.Mask | None):
 # launching
 # ---------------------------------------------------------------------------------------
 _INTERPRETER_LOCK = threading.Lock()
+_INTERPRETER_WARNINGS = (("Conversion of an array with ndim > 0 to a scalar", DeprecationWarning),
+                         ("All-NaN slice encountered", RuntimeWarning))
 
 
 def launcher(kernel, grid: tuple):
@@ -74,23 +76,26 @@ def launcher(kernel, grid: tuple):
         return launch
     import numpy as np
 
-    _quiet_interpreter()
-
     def serialised(*args, **kwargs):
         with _INTERPRETER_LOCK, np.errstate(all="ignore"):
+            quiet_interpreter()
             return launch(*args, **kwargs)
 
     return serialised
 
 
-@functools.cache
-def _quiet_interpreter() -> None:
+def quiet_interpreter() -> None:
     """Ignore, where Triton's interpreter raises them (nowhere else), numpy's warning about the
     1-element arrays Triton 3.6 converts to ints in loop bounds (deprecated since numpy 1.25) and
-    np.nanmax's about rows that are all NaN (a NaN input's row)."""
-    for message, category in (("Conversion of an array with ndim > 0 to a scalar", DeprecationWarning),
-                              ("All-NaN slice encountered", RuntimeWarning)):
-        warnings.filterwarnings("ignore", message=message, category=category, module=r"triton\.runtime\.interpreter")
+    np.nanmax's about rows that are all NaN (a NaN input's row). Checked before every interpreted
+    launch: a `warnings.catch_warnings()` that closed since (pytest opens one per test) took the
+    filters away; a filter the caller put in front of them still wins."""
+    for message, category in _INTERPRETER_WARNINGS:
+        if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message and f[2] is category
+                   for f in warnings.filters):
+            warnings.filterwarnings("ignore", message=message, category=category,
+                                    module=r"triton\.runtime\.interpreter")
+
 
 
 # ---------------------------------------------------------------------------------------
