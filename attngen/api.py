@@ -8,15 +8,14 @@ import torch
 from . import dispatch
 from . import masks as masks_
 from . import ops
+from .caches import BoundedCache
 from .checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from .families import BACKWARD, FORWARD
 from .kernels.autograd import AttentionFunction, check_mask_grads, check_modifiers
 from .kernels.forward import Plan, forward
 
-_plans: dict[tuple, Plan] = {}
-_MAX_PLANS = 4096
-_tensor_plans: dict[tuple, Plan] = {}  # plans of masks with tensors
-_MAX_TENSOR_PLANS = 64
+_plans = BoundedCache("api.plans", 4096)  # call signature -> Plan
+_tensor_plans = BoundedCache("api.tensor_plans", 64)  # the same, for masks with tensors
 dispatch.on_registry_change(_plans.clear)  # a new registry may choose other configs
 dispatch.on_registry_change(_tensor_plans.clear)
 
@@ -46,30 +45,29 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
         # identity and version: the plan holds them, so an id is not reused while it lives), in a
         # smaller cache, as a new tensor per call (an SDPA mask) would fill it with dead plans
         if m is None or not m.has_tensors:
-            plans, limit, mask_key = _plans, _MAX_PLANS, None if m is None else m.call_key
+            plans, mask_key = _plans, None if m is None else m.call_key
         else:
-            plans, limit = _tensor_plans, _MAX_TENSOR_PLANS
+            plans = _tensor_plans
             mask_key = (m.call_key, tuple((id(t), t._version) for t in m.spec_tensors))
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p)
         plan = plans.get(key)
         if plan is None:
             shape = check_qkv(q, k, v, kernel=True)
-            if shape.q_len == 0:
+            if q.numel() == 0:  # nothing to compute (B, Hq or Sq is 0): no plan
                 return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
-            if len(plans) >= limit:
-                plans.clear()
+            generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
             effective = check_topk(topk, shape.kv_len)
             config = dispatch.choose_config(FORWARD, q, shape, m, effective).config
-            plan = plans[key] = Plan(q, k, v, m, shape, check_scale(scale, shape.head_dim), effective, return_lse,
-                                      config, check_dropout(dropout_p))
+            plan = plans.put(key, Plan(q, k, v, m, shape, check_scale(scale, shape.head_dim), effective, return_lse,
+                                       config, check_dropout(dropout_p)), generation)
         out, lse = plan.run(q, k, v)
         return (out, lse) if return_lse else out
     return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
 
 
 def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
-    """Every call checked in full: autograd, masks with tensor parameters, empty queries."""
+    """Every call checked in full: autograd, empty outputs."""
     shape = check_qkv(q, k, v, kernel=True)
     topk = check_topk(topk, shape.kv_len)
     config = dispatch.choose_config(FORWARD, q, shape, m, topk).config

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import masks as masks_
+from .caches import BoundedCache
 from .checks import check_qkv, check_topk, topk_pad
 from .config import KernelConfig, arch_of
 from .dtypes import NAMES as DTYPE_NAMES
@@ -39,9 +40,9 @@ class Choice:
 
 
 _override: Path | None = None
-_registries: dict[str, registry_.Registry] = {}
-_choices: dict[tuple, Choice] = {}
-_gpu_keys: dict[int, str] = {}
+_registries = BoundedCache("dispatch.registries", 16)  # GPU key -> Registry
+_choices = BoundedCache("dispatch.choices", 4096)  # see choose_config's cache_key
+_gpu_keys: dict[int, str] = {}  # device index -> GPU key (one entry per GPU of the machine)
 _listeners: list = []  # functions called when the registry changes (the plan cache of attngen.api)
 
 
@@ -97,7 +98,8 @@ def gpu_of(device: torch.device) -> str:
 def registry_for(gpu: str) -> registry_.Registry:
     reg = _registries.get(gpu)
     if reg is None:
-        reg = _registries[gpu] = registry_.Registry.load(registry_paths(), gpu)
+        generation = _registries.generation  # use_registry meanwhile: this one is not kept
+        reg = _registries.put(gpu, registry_.Registry.load(registry_paths(), gpu), generation)
     return reg
 
 
@@ -105,15 +107,17 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     """The config `family` runs a call with (checked inputs; topk as check_topk returns it)."""
     bucket = registry_.seq_bucket(shape.kv_len)
     rows = min(query_rows(shape.q_len), 1 << 20)
-    cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, shape.group,
+    group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
+    cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
                  mask.key if mask is not None else None, rows, topk_pad(topk))
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
+    generation = _choices.generation  # use_registry meanwhile: this choice is not kept
     gpu = gpu_of(q.device)
     variant = registry_.variant_of(mask, topk)
     key = registry_.EntryKey(variant=variant, kernel=family.name, dtype=DTYPE_NAMES[q.dtype],
-                             head_dim=shape.head_dim, seq_bucket=bucket, group=shape.group)
+                             head_dim=shape.head_dim, seq_bucket=bucket, group=group)
     found = registry_for(gpu).lookup(key)
     if found is not None:
         entry, reason = found
@@ -124,9 +128,9 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     config, note = family.fit(config, shape.q_len)
     if note:
         source += f"; {note}"
-    choice = _choices[cache_key] = Choice(config, source, variant, family.name)
+    choice = _choices.put(cache_key, Choice(config, source, variant, family.name), generation)
     log.debug("attngen: %s %s %s d%d s%d (bucket %d) group %d -> %s (%s)", family.name, variant, key.dtype,
-              shape.head_dim, shape.kv_len, bucket, shape.group, config, source)
+              shape.head_dim, shape.kv_len, bucket, group, config, source)
     return choice
 
 

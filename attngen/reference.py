@@ -20,6 +20,30 @@ TOLERANCE = {
 }
 
 
+def scores(q, k, mask=None, *, scale=None):
+    """The (B, Hq, Sq, Sk) float64 scores that attention's softmax (and top-k) runs over: q·k times
+    `scale`, the mask's score modifiers applied, -inf where the mask hides a key."""
+    shape = check_qkv(q, k, k, kernel=False)
+    scale = check_scale(scale, shape.head_dim)
+    mask = masks_.as_mask(mask)
+    bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
+                        device=q.device)
+    q64, k64 = q.to(torch.float64), k.to(torch.float64)
+    if shape.group != 1:  # GQA: each key/value head serves `group` query heads (q with no heads: 0)
+        k64 = k64.repeat_interleave(shape.group, dim=1)
+    score = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    if bound is not None:
+        device = q.device
+        env = masks_.index_env(torch.arange(shape.q_len, device=device), torch.arange(shape.kv_len, device=device),
+                               q_len=shape.q_len, kv_len=shape.kv_len, batch=shape.batch, heads=shape.heads)
+        if mask.mods:
+            score = masks_.score_fn(bound)(score, env)
+        if mask.tree is not None:
+            visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=device)
+            score = score.masked_fill(~visible.expand_as(score), float("-inf"))
+    return score
+
+
 def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dropout_p=0.0, dropout_mask=None):
     """Same signature as `attngen.attention`; computes in float64 and returns float64 tensors.
 
@@ -33,30 +57,16 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     """
     shape = check_qkv(q, k, v, kernel=False)
     check_flag("return_lse", return_lse)
-    scale = check_scale(scale, shape.head_dim)
     topk = check_topk(topk, shape.kv_len)
-    mask = masks_.as_mask(mask)
-    bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
-                        device=q.device)
-    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
-    if shape.group > 1:  # GQA: each key/value head serves `group` query heads
-        k64 = k64.repeat_interleave(shape.group, dim=1)
+    score = scores(q, k, mask, scale=scale)
+    v64 = v.to(torch.float64)
+    if shape.group != 1:  # as k in scores()
         v64 = v64.repeat_interleave(shape.group, dim=1)
-    score = torch.matmul(q64, k64.transpose(-1, -2)) * scale
-    if bound is not None:
-        device = q.device
-        env = masks_.index_env(torch.arange(shape.q_len, device=device), torch.arange(shape.kv_len, device=device),
-                               q_len=shape.q_len, kv_len=shape.kv_len, batch=shape.batch, heads=shape.heads)
-        if mask.mods:
-            score = masks_.score_fn(bound)(score, env)
-        if mask.tree is not None:
-            visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=device)
-            score = score.masked_fill(~visible.expand_as(score), float("-inf"))
     if topk:
         threshold = score.topk(topk, dim=-1).values[..., -1:]  # -inf where fewer than topk are visible
         score = score.masked_fill(score < threshold, float("-inf"))
     row_max = score.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # empty rows
+    row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)  # empty rows
     weights = torch.exp(score - row_max)
     total = weights.sum(dim=-1, keepdim=True)
     dropout_p = check_dropout(dropout_p)

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import linecache
 import os
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
 import jinja2
 
+from .caches import BoundedCache
 from .paths import cache_dir, data_dir
 from .version import __version__
 
@@ -91,11 +94,19 @@ def source_path(source: str) -> Path:
     return cache_dir() / "kernels" / f"k{digest}.py"
 
 
-_MODULES: dict[tuple[Path, bool], object] = {}
+_MODULES = BoundedCache("render.modules", 1024)  # (path, interpreted) -> module
+_LOAD_LOCK = threading.Lock()  # one import of a module per process, whatever the threads
 
 
 def load_module(source: str):
-    """Write `source` to the kernel cache (once, atomically) and import it."""
+    """Write `source` to the kernel cache (once, atomically) and import it.
+
+    Processes that render the same kernel at once each write a temporary file of their own and
+    rename it over the cached one (an atomic replace), so a reader only ever finds the whole
+    source; a cached file that is not exactly `source` (cut short by a full disk, edited) is
+    written again. The module runs `source` itself, and Python's line cache (where Triton reads a
+    kernel's source) holds it, so what happens to the file later never changes what runs.
+    """
     from .checks import interpreter_on
 
     path = source_path(source)
@@ -103,16 +114,35 @@ def load_module(source: str):
     module = _MODULES.get(key)
     if module is not None:
         return module
-    if not path.exists() or path.read_text() != source:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    name = f"attngen_kernels.{path.stem}" + ("_interpreted" if key[1] else "")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # Triton resolves globals through the module
-    spec.loader.exec_module(module)
-    _MODULES[key] = module
+    with _LOAD_LOCK:
+        module = _MODULES.get(key)
+        if module is None:
+            if not _holds(path, source):
+                _write_atomic(path, source)
+            name = f"attngen_kernels.{path.stem}" + ("_interpreted" if key[1] else "")
+            module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+            sys.modules[name] = module  # Triton resolves globals through the module
+            linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))  # never re-read
+            exec(compile(source, str(path), "exec"), module.__dict__)
+            _MODULES.put(key, module)
     return module
+
+
+def _holds(path: Path, source: str) -> bool:
+    try:
+        return path.read_text() == source
+    except (FileNotFoundError, UnicodeDecodeError):
+        return False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it to `path` (atomic)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

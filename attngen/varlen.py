@@ -18,9 +18,10 @@ import torch
 
 from . import masks as masks_
 from .api import attention
+from .caches import BoundedCache
 
-_DERIVED: dict[tuple, tuple] = {}  # (cu_seqlens ids and versions, length) -> (weakref, tensors)
 _MAX_DERIVED = 64
+_DERIVED = BoundedCache("varlen.positions", _MAX_DERIVED)  # (cu_seqlens ids and versions, lengths) -> positions
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, mask=None,
@@ -87,9 +88,7 @@ def _positions(cu_q, cu_k, total_q: int, total_k: int) -> dict:
     positions = dict(q_seq=q_seq, kv_seq=kv_seq, seq_q_start=q_start, seq_q_len=q_len, seq_kv_start=kv_start,
                      seq_kv_len=kv_len)
     if not compiling:
-        if len(_DERIVED) >= _MAX_DERIVED:
-            _DERIVED.clear()
-        _DERIVED[key] = (weakref.ref(cu_q), weakref.ref(cu_k), positions)
+        _DERIVED.put(key, (weakref.ref(cu_q), weakref.ref(cu_k), positions))
     return positions
 
 

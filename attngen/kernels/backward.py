@@ -45,7 +45,7 @@ def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, conf
     `forward`: the forward's config, for top-k calls (see topk_config); `dropout_p` and `seed`: the
     forward's dropout, which the kernels regenerate."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if shape.q_len == 0:
+    if q.numel() == 0:  # no query (B, Hq or Sq is 0): no gradient reaches k and v
         return dq, dk.zero_(), dv.zero_()
     for launch in backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale, config,
                                     forward, dropout_p, seed):

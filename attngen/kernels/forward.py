@@ -15,8 +15,8 @@ import torch
 from .. import masks as masks_
 from ..checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from ..config import KernelConfig, block_d_for
-from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, mask_args, module_for, structure_args,
-                     tensor_args, tma_eligible)
+from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, launcher, mask_args, module_for,
+                     structure_args, tensor_args, tma_eligible)
 from .topk import Thresholds, TopkTuning
 
 TEMPLATE = "forward"  # templates/kernels/forward.py.jinja
@@ -104,7 +104,7 @@ def forward(q, k, v, mask, shape, scale: float, topk: int, return_lse: bool, con
     out, lse = _outputs(q, shape, return_lse, out, lse)
     use_tma = config.use_tma and tma_eligible(q, k, v)
     thr = None
-    if shape.q_len > 0:
+    if q.numel() > 0:  # else there is nothing to compute (B, Hq or Sq is 0), nor a tile to launch
         thr = Thresholds(q, k, bound, structure, shape, scale, topk, config, tuning).run(q, k) if topk else None
         if use_tma:
             ensure_allocator()
@@ -139,6 +139,6 @@ def dropout_mask(q, k, dropout_p: float) -> torch.Tensor:
     block = 32
     grid = (math.ceil(shape.q_len / block), math.ceil(shape.kv_len / block), shape.batch * shape.heads)
     if keep.numel():
-        module_for(TEMPLATE, None).dropout_keep_mask[grid](keep, draw_seed(), dropout_p, shape.q_len, shape.kv_len,
-                                                           BLOCK_M=block, BLOCK_N=block)
+        launcher(module_for(TEMPLATE, None).dropout_keep_mask, grid)(keep, draw_seed(), dropout_p, shape.q_len,
+                                                                     shape.kv_len, BLOCK_M=block, BLOCK_N=block)
     return keep.bool()

@@ -6,15 +6,19 @@
 - Kernel arguments by name, in groups (`qk_args`, `structure_args`, `dims`, `mask_args`).
 - `Launch`: one kernel launch prepared once, every argument named and checked against the
   kernel's signature; a call passes only what changes (the tensors).
+- `launcher`: `kernel[grid]`, serialised under Triton's interpreter, which is not thread-safe.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import warnings
 
 import torch
 
 from .. import masks as masks_
+from ..caches import BoundedCache
 from ..checks import interpreter_on
 from ..paths import data_dir
 from ..render import load_module, render
@@ -37,7 +41,7 @@ def render_kernel(template: str, mask: masks_.Mask | None) -> str:
                   no_specialize="".join(f', "{s}"' for s in masks_.scalar_params(mask)))
 
 
-_MODULES: dict = {}
+_MODULES = BoundedCache("launch.modules", 1024)  # (template, mask variant) -> rendered module
 
 
 def module_for(template: str, mask: masks_.Mask | None):
@@ -45,8 +49,53 @@ def module_for(template: str, mask: masks_.Mask | None):
     key = (template, None if mask is None else mask.key)
     module = _MODULES.get(key)
     if module is None:
-        module = _MODULES[key] = load_module(render_kernel(template, mask))
+        module = _MODULES.put(key, load_module(render_kernel(template, mask)))
     return module
+
+
+# ---------------------------------------------------------------------------------------
+# launching
+# ---------------------------------------------------------------------------------------
+_INTERPRETER_LOCK = threading.Lock()
+_INTERPRETER_WARNINGS = (("Conversion of an array with ndim > 0 to a scalar", DeprecationWarning),
+                         ("All-NaN slice encountered", RuntimeWarning))
+
+
+def launcher(kernel, grid: tuple):
+    """`kernel[grid]`: a function that launches `kernel` on `grid`.
+
+    Triton's interpreter runs a launch in global state (it patches triton.language and keeps the
+    program id in one builder), so two threads launching at once under it fail ("Did you forget to
+    add @triton.jit?") or compute wrong results: there, launches take turns. It computes with numpy,
+    whose warnings about inf and NaN (IEEE arithmetic the kernels rely on: -inf scores of hidden
+    keys, NaN inputs) and about its own scalar conversions are not the caller's: they are silenced.
+    A compiled kernel launches as it is, without a lock.
+    """
+    launch = kernel[grid]
+    if not interpreter_on():
+        return launch
+    import numpy as np
+
+    def serialised(*args, **kwargs):
+        with _INTERPRETER_LOCK, np.errstate(all="ignore"):
+            quiet_interpreter()
+            return launch(*args, **kwargs)
+
+    return serialised
+
+
+def quiet_interpreter() -> None:
+    """Ignore, where Triton's interpreter raises them (nowhere else), numpy's warning about the
+    1-element arrays Triton 3.6 converts to ints in loop bounds (deprecated since numpy 1.25) and
+    np.nanmax's about rows that are all NaN (a NaN input's row). Checked before every interpreted
+    launch: a `warnings.catch_warnings()` that closed since (pytest opens one per test) took the
+    filters away; a filter the caller put in front of them still wins."""
+    for message, category in _INTERPRETER_WARNINGS:
+        if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message and f[2] is category
+                   for f in warnings.filters):
+            warnings.filterwarnings("ignore", message=message, category=category,
+                                    module=r"triton\.runtime\.interpreter")
+
 
 
 # ---------------------------------------------------------------------------------------
@@ -107,7 +156,7 @@ def tensor_args(name: str, t: torch.Tensor, dims: str) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _tensor_keys(name: str, dims: str) -> tuple[str, ...]:
     return (name.upper(), *(f"stride_{name}{letter}" for letter in dims))
 
@@ -137,7 +186,7 @@ def mask_args(bound: masks_.Bound | None) -> dict:
     return dict(zip(masks_.kernel_params(bound.mask), bound.kernel_args))
 
 
-_NAMES: dict = {}  # (kernel, compile-time names) -> its run-time argument names, in order
+_NAMES = BoundedCache("launch.names", 1024)  # (kernel, compile-time names) -> run-time argument names, in order
 
 
 def _run_time_names(kernel, options: dict) -> list[str]:
@@ -146,7 +195,7 @@ def _run_time_names(kernel, options: dict) -> list[str]:
     key = (kernel, tuple(options))
     names = _NAMES.get(key)
     if names is None:
-        names = _NAMES[key] = [n for n in kernel.arg_names if n not in options]
+        names = _NAMES.put(key, [n for n in kernel.arg_names if n not in options])
     return names
 
 
@@ -168,7 +217,7 @@ class Launch:
                             f"unknown arguments {unknown}")
         self.kernel, self.grid, self.options = kernel, grid, options
         self.names, self.values = names, values
-        self._launch = kernel[grid]
+        self._launch = launcher(kernel, grid)
 
     def __call__(self, options: dict | None = None, **changed) -> None:
         """Launch, with the arguments in `changed` replaced and `options` instead of the built ones."""
@@ -179,9 +228,11 @@ class Launch:
 
     def runner(self, *names: str):
         """A function run(*values, options=None) that launches with those arguments replaced, in the
-        order of `names`: the per-call path, without a dict per call."""
+        order of `names`: the per-call path, without a dict per call. It keeps no reference to the
+        values of `names` this launch was built with (a cached plan holds no call's tensors)."""
         slots = [self.names.index(n) for n in names]
-        base, launch, default = self.values, self._launch, self.options
+        base = [None if i in slots else value for i, value in enumerate(self.values)]
+        launch, default = self._launch, self.options
 
         def run(*values, options=None):
             args = list(base)

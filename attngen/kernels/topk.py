@@ -235,9 +235,11 @@ class Thresholds:
             if cap is not None:  # a launch option (the interpreter drops it)
                 kw["maxnreg"] = cap
 
-        # the launches, with empty stand-ins for the tensors of a call (run() passes them)
+        # the launches, with empty stand-ins for the tensors of a call (run() passes them; a cached
+        # plan holds no call's tensors)
         thr, lo, hi, area, counts, flags, work = self.buffers(q.device, empty=True)
-        call = dict(qk_args(q, k), **structure_args(structure), **dims(shape, scale), **mask_args(bound))
+        call = dict(qk_args(q, k), Q=q.new_empty(0), K=k.new_empty(0), **structure_args(structure),
+                    **dims(shape, scale), **mask_args(bound))
         tiles = dict(LO=lo, HI=hi, COUNTS=counts, FLAGS=flags)
         # (launch, its compile options by use_tma, the per-call tensors it takes)
         self.launches: list[tuple[Launch, dict, tuple[str, ...]]] = []

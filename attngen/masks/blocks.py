@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from ..caches import BoundedCache
 from .binding import Bound, bind, evaluate_visible, index_env, is_term, predicate_names, tree_terms
 from .template_files import split_dim
 
@@ -74,8 +74,7 @@ def structure_from_classes(classes: torch.Tensor, block_size, check_contiguous: 
 
 
 _CHUNK_ELEMENTS = 1 << 26  # cap on the (rows x keys) booleans evaluated at once
-_STRUCTURE_CACHE: OrderedDict = OrderedDict()
-_STRUCTURE_CACHE_SIZE = 64
+_STRUCTURE_CACHE = BoundedCache("blocks.structures", 64)  # least recently used dropped first
 
 
 def classify(bound: Bound | None, q_len: int, kv_len: int, block_size, *, batch: int, heads: int,
@@ -194,14 +193,12 @@ def block_structure(m, q_len: int, kv_len: int, block_size, *, batch: int = 1, h
            tuple(block_size), batch, heads, device, by_key)
     hit = _STRUCTURE_CACHE.get(key)
     if hit is not None and all(ref() is t for ref, t in zip(hit[1], tensors)):
-        _STRUCTURE_CACHE.move_to_end(key)
+        _STRUCTURE_CACHE.touch(key)
         return hit[0]
     classes = classify(bound, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
     if by_key:
         classes = classes.transpose(-1, -2)
     # the run check costs a device sync: worth it once per shape, not once per new tensor
     result = structure_from_classes(classes, block_size, check_contiguous=not tensors)
-    _STRUCTURE_CACHE[key] = (result, [weakref.ref(t) for t in tensors])
-    if len(_STRUCTURE_CACHE) > _STRUCTURE_CACHE_SIZE:
-        _STRUCTURE_CACHE.popitem(last=False)
+    _STRUCTURE_CACHE.put(key, (result, [weakref.ref(t) for t in tensors]))
     return result

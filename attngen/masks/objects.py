@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from ..caches import BoundedCache
 from . import template_files as templates_
 from .binding import is_term
 from .blocks import BlockStructure, block_structure
@@ -223,8 +224,7 @@ class TracedMask:
 _TENSOR_PREFIX = "tensor_"  # parse_spec's placeholder of the i-th tensor: tensor_0, tensor_1, ...
 SPEC_SYNTAX = ("a template name, or name(param=value, ...), joined by & and |, e.g. "
                "'sliding_window(window=256) & softcap(cap=30.0)'")
-_SPECS: dict[str, tuple[int, Mask | None]] = {}  # spec text -> (templates' generation, mask)
-_MAX_SPECS = 1024
+_SPECS = BoundedCache("masks.specs", 1024)  # spec text -> (templates' generation, mask)
 
 
 def mask(name: str, **params) -> Mask:
@@ -247,10 +247,8 @@ def as_mask(value, argument: str = "mask") -> Mask | None:
         # so it reads no environment variable (a change of ATTNGEN_TEMPLATE_PATH is seen by new specs)
         parsed = _SPECS.get(value)
         if parsed is None or parsed[0] != templates_.generation():
-            m = parse_spec(value)
-            if len(_SPECS) >= _MAX_SPECS:
-                _SPECS.clear()
-            parsed = _SPECS[value] = (templates_.generation(), m)
+            m = parse_spec(value)  # first: it may load the templates, a new generation
+            parsed = _SPECS.put(value, (templates_.generation(), m))
         return parsed[1]
     raise TypeError(f"{argument} must be None, a mask spec ({SPEC_SYNTAX}) or an attngen mask object, "
                     f"got {type(value).__name__}")

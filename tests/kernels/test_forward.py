@@ -109,6 +109,21 @@ def test_empty_query(name):
     assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
 
 
+@pytest.mark.parametrize("batch,heads,q_len", [(0, 2, 5), (1, 0, 5), (2, 2, 0)])
+def test_empty_outputs(batch, heads, q_len):
+    """No batch, no query head (0 is a multiple of the key/value heads) or no query: empty outputs,
+    top-k and gradients included (k and v get zeros), whatever the mask (found by tests/test_fuzz.py)."""
+    q, k, v = rand_qkv(batch, heads, 2, q_len, 10, 16, torch.float32)
+    for mask in (None, "causal", ZOO["document"](batch, heads, q_len, 10, DEVICE)):
+        for topk in (None, 3):
+            out, lse = attngen.attention(q, k, v, mask=mask, topk=topk, return_lse=True)
+            assert out.shape == q.shape and lse.shape == q.shape[:3]
+    k.requires_grad_()
+    out = attngen.attention(q, k, v, mask="causal", topk=3)
+    (dk,) = torch.autograd.grad(out.sum(), k)
+    assert torch.equal(dk, torch.zeros_like(k))
+
+
 def test_an_invalid_config_is_refused_before_compiling():
     q, k, v = rand_qkv(1, 1, 1, 20, 20, 16, torch.float32)
     with pytest.raises(ValueError, match=r"invalid kernel config 48x16 w4 s1: block_m=48 must be a power of two"):

@@ -34,3 +34,11 @@ def test_mask_public_api(name):
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (1, 4, 70)
     assert_close(out, ref, torch.float16, lse, ref_lse)
+
+
+@pytest.mark.parametrize("cap", [1e4, 30.0, 0.5])
+def test_softcap_is_exact_for_any_cap(cap):
+    """tanh of score / cap: a large cap makes the argument tiny, where 2 * sigmoid(2x) - 1 lost
+    digits to cancellation (relative error 3e-4 at cap 1e4, found by tests/test_fuzz.py)."""
+    q, k, v = rand_qkv(1, 2, 1, 40, 70, 16, torch.float32)
+    check_forward(q * 4, k * 4, v, attngen.mask("causal") & attngen.mask("softcap", cap=cap))
