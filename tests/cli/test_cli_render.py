@@ -13,6 +13,7 @@ from attngen import masks as masks_
 from attngen.kernels.launch import kernel_templates, render_kernel
 from attngen.render import source_path
 from attngen.masks import template_files as templates_
+from attngen.paths import data_dir
 from helpers import DILATED, DEVICE, attngen_cmd, cli_env
 
 
@@ -108,7 +109,8 @@ def test_masks_lists_a_broken_template_as_broken_and_check_fails(tmp_path, capsy
     assert f"typo (BROKEN)\n    error: {folder / 'typo.yaml'}:2: unknown name 'q_index'" in out
     assert f"flipped (BROKEN)\n    error: {folder / 'flipped.yaml'}:4: unknown name 'nowhere'" in out
     assert "(with flip=True)" in out and "notyaml (BROKEN)\n    error: " in out and "not valid YAML" in out
-    assert "3 of 12 templates are broken: flipped, notyaml, typo" in err
+    total = len(list((data_dir("templates") / "masks").glob("*.yaml"))) + 4  # the built-in ones and these four
+    assert f"3 of {total} templates are broken: flipped, notyaml, typo" in err
     assert cli.main(["--template-dir", str(folder), "masks", "--check"]) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]  # one per template
     assert len(lines) == 12 and f"ok dilated - {folder / 'dilated.yaml'}" in lines
