@@ -77,17 +77,7 @@ class Mask:
         # that dynamo only reads two attributes
         tensors = []
 
-        def spec_term(term):
-            shown = []
-            for name, value in term.values.items():
-                if isinstance(value, torch.Tensor):
-                    shown.append(f"{name}={_TENSOR_PREFIX}{len(tensors)}")
-                    tensors.append(value)
-                else:
-                    shown.append(f"{name}={value!r}")
-            return f"{term.template.name}({', '.join(shown)})"
-
-        self.spec = self._text(spec_term)
+        self.spec = self._text(lambda term: _spec_call(term.template.name, term.values.items(), tensors))
         self.spec_tensors = tuple(tensors)
 
     @staticmethod
@@ -208,20 +198,26 @@ class TracedMask:
 
         def text(node):
             if node[0] == "term":
-                values = []
-                for name, value in node[2]:
-                    if isinstance(value, torch.Tensor):
-                        values.append(f"{name}={_TENSOR_PREFIX}{len(tensors)}")
-                        tensors.append(value)
-                    else:
-                        values.append(f"{name}={value!r}")
-                return f"{node[1]}({', '.join(values)})"
+                return _spec_call(node[1], node[2], tensors)
             return f"({text(node[1])} {node[0]} {text(node[2])})"
 
         return text(self.tree), tensors
 
 
 _TENSOR_PREFIX = "tensor_"  # parse_spec's placeholder of the i-th tensor: tensor_0, tensor_1, ...
+
+
+def _spec_call(name: str, values, tensors: list) -> str:
+    """`name(param=value, ...)` of a spec, each tensor written as the next placeholder (and
+    appended to `tensors`)."""
+    shown = []
+    for param, value in values:
+        if isinstance(value, torch.Tensor):
+            shown.append(f"{param}={_TENSOR_PREFIX}{len(tensors)}")
+            tensors.append(value)
+        else:
+            shown.append(f"{param}={value!r}")
+    return f"{name}({', '.join(shown)})"
 SPEC_SYNTAX = ("a template name, or name(param=value, ...), joined by & and |, e.g. "
                "'sliding_window(window=256) & softcap(cap=30.0)'")
 _SPECS = BoundedCache("masks.specs", 1024)  # spec text -> (templates' generation, mask)
