@@ -97,17 +97,16 @@ def _localized(mask, positions: dict):
     a repeated call builds no mask objects, and attention() then takes its fast path."""
     if torch.compiler.is_compiling() or isinstance(mask, masks_.TracedMask):
         return _localize(mask, positions)
-    if isinstance(mask, masks_.Mask):
+    if isinstance(mask, masks_.Mask):  # the kept mask holds these tensors: their ids are not reused meanwhile
         key = (mask.call_key, tuple(id(t) for t in mask.spec_tensors))
     else:
         key = (mask, masks_.generation())  # a name: its template may be reloaded
     kept = positions.setdefault("masks", {})
-    hit = kept.get(key)
-    if hit is None or (isinstance(mask, masks_.Mask) and any(a is not b for a, b in zip(hit[0], mask.spec_tensors))):
+    if key not in kept:
         if len(kept) >= _MAX_DERIVED:
             kept.clear()
-        hit = kept[key] = ((mask.spec_tensors if isinstance(mask, masks_.Mask) else ()), _localize(mask, positions))
-    return hit[1]
+        kept[key] = _localize(mask, positions)
+    return kept[key]
 
 
 def _localize(m, positions: dict):
