@@ -9,6 +9,7 @@
 from .version import __version__
 from . import reference  # noqa: E402
 from .api import attention  # noqa: E402
+from .decoding import decode  # noqa: E402
 from .dispatch import explain, use_registry  # noqa: E402
 from .kernels.forward import dropout_mask  # noqa: E402
 from .masks import Mask, mask, register_template_dir, templates  # noqa: E402
@@ -18,6 +19,6 @@ from .render import TemplateError  # noqa: E402
 from .sdpa import scaled_dot_product_attention, sdpa_override  # noqa: E402
 from .varlen import varlen_attention  # noqa: E402
 
-__all__ = ["attention", "explain", "use_registry", "dropout_mask", "mask", "Mask", "block_sparse", "layouts",
+__all__ = ["attention", "decode", "explain", "use_registry", "dropout_mask", "mask", "Mask", "block_sparse", "layouts",
            "register_template_dir", "templates", "reference", "TemplateError", "scaled_dot_product_attention",
            "sdpa_override", "varlen_attention", "__version__"]

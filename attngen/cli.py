@@ -114,12 +114,12 @@ def cmd_registry(args) -> int:
                 status = "no file"
             print(f"{file}: {status}")
         return 1 if reg.unusable else 0
-    rows = [("source", "variant", "kernel", "dtype", "D", "bucket", "group", "config", "ms", "TFLOP/s", "SDPA ms",
-             "speedup", "trials", "date")]
+    rows = [("source", "variant", "kernel", "dtype", "D", "bucket", "group", "batch", "config", "ms", "TFLOP/s",
+             "SDPA ms", "speedup", "trials", "date")]
     for path, e in reg.entries():
         config = e.kernel_config()  # as stored: the interpreter runs the tensor-descriptor path too
         rows.append((str(path), e.key.variant, e.key.kernel, e.key.dtype, e.key.head_dim, e.key.seq_bucket,
-                     e.key.group, str(config), f"{e.ms:.4g}", f"{e.tflops:.4g}",
+                     e.key.group, e.key.batch_bucket or "any", str(config), f"{e.ms:.4g}", f"{e.tflops:.4g}",
                      f"{e.sdpa_ms:.4g}" if e.sdpa_ms else "n/a", f"{e.sdpa_ms / e.ms:.2f}x" if e.sdpa_ms else "n/a",
                      e.trials, e.date))
     if len(rows) == 1:

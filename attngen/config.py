@@ -21,11 +21,15 @@ class KernelConfig:
     def shared_memory(self, head_dim: int, elem_bytes: int, kernel: str = "fwd") -> int:
         """Estimated shared memory in bytes of kernel family `kernel` at this config: the forward's
         pipelined K and V tiles plus its Q tile; the backward's pipelined pair of streamed tiles
-        (Q and dO in dK/dV, K and V in dQ: block_m rows each) plus the pair it holds (block_n rows)."""
+        (Q and dO in dK/dV, K and V in dQ: block_m rows each) plus the pair it holds (block_n rows);
+        the decode kernel's pipelined K and V tiles plus a query tile of at most 128 rows (its block_m
+        is the split rule's floor, not a tile)."""
         block_d = block_d_for(head_dim)
         stages = max(1, self.num_stages)
         if kernel == "bwd":
             return 2 * block_d * elem_bytes * (self.block_m * stages + self.block_n)
+        if kernel == "decode":
+            return 2 * self.block_n * block_d * elem_bytes * stages + 128 * block_d * elem_bytes
         return 2 * self.block_n * block_d * elem_bytes * stages + self.block_m * block_d * elem_bytes
 
     def problems(self, head_dim: int, elem_bytes: int, smem_limit: int | None = None, kernel: str = "fwd") -> list[str]:
@@ -105,6 +109,25 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
         ],
         "interpreter": [
             (256, KernelConfig(32, 64, 4, 1)),
+        ],
+    },
+    # decode (split-KV): block_m is the fewest keys a split takes (the split rule's floor, see
+    # attngen.kernels.decode.split_count), block_n the keys per tile. Untuned starting points: a
+    # memory-bound loop wants 64-key tiles, several stages in flight and splits of at least 256 keys
+    "decode": {
+        "sm90": [
+            (128, KernelConfig(256, 64, 4, 3)),
+            (256, KernelConfig(256, 32, 4, 2)),
+        ],
+        "sm80": [
+            (128, KernelConfig(256, 64, 4, 3)),
+            (256, KernelConfig(256, 32, 4, 2)),
+        ],
+        "generic": [
+            (256, KernelConfig(256, 32, 4, 2)),
+        ],
+        "interpreter": [
+            (256, KernelConfig(32, 32, 4, 1)),
         ],
     },
 }

@@ -108,8 +108,9 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     bucket = registry_.seq_bucket(shape.kv_len)
     rows = min(query_rows(shape.q_len), 1 << 20)
     group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
+    batch = family.batch_bucket(shape.batch)
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
-                 mask.key if mask is not None else None, rows, topk_pad(topk))
+                 mask.key if mask is not None else None, rows, topk_pad(topk), batch)
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
@@ -117,7 +118,7 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     gpu = gpu_of(q.device)
     variant = registry_.variant_of(mask, topk)
     key = registry_.EntryKey(variant=variant, kernel=family.name, dtype=DTYPE_NAMES[q.dtype],
-                             head_dim=shape.head_dim, seq_bucket=bucket, group=group)
+                             head_dim=shape.head_dim, seq_bucket=bucket, group=group, batch_bucket=batch)
     found = registry_for(gpu).lookup(key)
     if found is not None:
         entry, reason = found

@@ -1,7 +1,8 @@
 """Kernel families: one small record each, which dispatch, tune, bench and explain look up.
 
 A family is a kind of kernel with its own templates, search space and registry entries: the
-forward kernel (`fwd`, top-k included) and the backward kernels (`bwd`). Adding one is adding a
+forward kernel (`fwd`, top-k included), the backward kernels (`bwd`) and the decode kernels
+(`decode`: split-KV over a KV cache). Adding one is adding a
 record here (and its template, space, launcher and fallback row in attngen/config.py), not editing
 the modules that use them.
 """
@@ -17,8 +18,10 @@ from . import reference
 from .checks import check_qkv, check_scale, check_topk
 from .config import KernelConfig, arch_of, default_config, default_entry
 from .kernels.backward import backward
+from .kernels.decode import decode_forward
 from .kernels.forward import attention_forward, forward
 from .tools.timing import BWD_FACTOR, attention_flops
+from .tuning import registry as registry_
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,12 @@ class KernelFamily:
     reference: Callable  # (*inputs, mask, *, topk) -> [the outputs in float64, attngen.reference]
     flops: Callable  # (mask, batch, heads, q_len, kv_len, head_dim, device) -> FLOPs of one run
     fit: Callable  # (config, q_len) -> (config, note): the chosen config adapted to one call's shape
+    query_len: int | None = None  # the tuner's query length: None for Sq = Sk, else this many new tokens
+    per_batch: bool = False  # registry entries per batch bucket (else one entry serves every batch)
+
+    def batch_bucket(self, batch: int) -> int:
+        """The registry key's batch bucket of a call: 0 (any) unless the family tunes per batch."""
+        return registry_.batch_bucket(batch) if self.per_batch and batch > 0 else 0
 
     def default(self, arch: str, head_dim: int) -> tuple[KernelConfig, str]:
         """The fallback config where the registry has none, and where it comes from."""
@@ -116,7 +125,36 @@ BACKWARD = KernelFamily(
     fit=lambda config, q_len: (config, ""),
 )
 
-FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (FORWARD, BACKWARD)}
+
+
+# ---------------------------------------------------------------------------------------
+# decode: split-KV attention of new tokens over a KV cache; the tuner runs a full contiguous cache
+# ---------------------------------------------------------------------------------------
+def _decode_run(q, k, v, mask, *, topk, config):
+    return [decode_forward(q, k, v, mask=mask, config=config)[0]]
+
+
+def _decode_reference(q, k, v, mask, *, topk):
+    return [reference.decode(q, k, v, mask=mask)]
+
+
+DECODE = KernelFamily(
+    name="decode",
+    doc="decoding over a KV cache, contiguous or paged (split-KV; no top-k)",
+    templates=("decode",),
+    space="decode",
+    topk_space="decode",
+    inputs=("q", "kv", "kv"),
+    outputs=("q",),
+    run=_decode_run,
+    reference=_decode_reference,
+    flops=attention_flops,
+    fit=lambda config, q_len: (config, ""),
+    query_len=1,
+    per_batch=True,
+)
+
+FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (FORWARD, BACKWARD, DECODE)}
 
 
 def family(name: str, option: str = "kernel") -> KernelFamily:

@@ -79,3 +79,57 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
         return out
     lse = (row_max + torch.log(total)).squeeze(-1)  # log(0) = -inf for empty rows
     return out, lse
+
+
+def dense_cache(cache: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A paged cache (num_pages, page_size, Hkv, D) as the contiguous (B, Hkv, pages * page_size, D)
+    one its block table describes: key j of sequence b is row j % page_size of page
+    block_table[b, j // page_size]. Rows of pages that are not in the cache read 0."""
+    n_pages = cache.shape[0]
+    pages = block_table.long()
+    valid = (pages >= 0) & (pages < n_pages)
+    rows = cache[pages.clamp(0, n_pages - 1)] * valid[:, :, None, None, None]  # (B, P, page, Hkv, D)
+    batch, per_seq = pages.shape
+    return rows.reshape(batch, per_seq * page_size, *cache.shape[2:]).transpose(1, 2)
+
+
+def decode(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask=None, scale=None, return_lse=False):
+    """Same signature as `attngen.decode` (float64 results): the Sq new tokens of sequence b are its
+    last Sq positions, seq_lens[b] - Sq + i, and the mask sees those positions with q_len = kv_len =
+    seq_lens[b] (bottom-right alignment whatever the mask's); keys at positions >= seq_lens[b] are
+    not in the sequence."""
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        k_cache = dense_cache(k_cache, block_table, page_size)
+        v_cache = dense_cache(v_cache, block_table, page_size)
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    scale = check_scale(scale, head_dim)
+    lens = [capacity] * batch if seq_lens is None else [int(n) for n in seq_lens]
+    mask = masks_.as_mask(mask)
+    bound = masks_.bind(mask, batch=batch, heads=heads, q_len=capacity, kv_len=capacity, device=q.device)
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, heads, q_len), float("-inf"), dtype=torch.float64, device=q.device)
+    for b, length in enumerate(lens):
+        k64 = k_cache[b, :, :length].to(torch.float64).repeat_interleave(group, dim=0)  # (Hq, L, D)
+        v64 = v_cache[b, :, :length].to(torch.float64).repeat_interleave(group, dim=0)
+        score = torch.matmul(q[b].to(torch.float64), k64.transpose(-1, -2)) * scale  # (Hq, Sq, L)
+        if bound is not None:
+            env = masks_.index_env(torch.arange(length - q_len, length, device=q.device),
+                                   torch.arange(length, device=q.device), q_len=length, kv_len=length, batch=batch,
+                                   heads=heads)
+            full = score.expand(batch, *score.shape)  # every batch row: a mask's tensors index b
+            if mask.mods:
+                full = masks_.score_fn(bound)(full, env)
+            if mask.tree is not None:
+                visible = torch.as_tensor(masks_.evaluate_visible(bound, env), device=q.device)
+                full = full.masked_fill(~visible.expand_as(full), float("-inf"))
+            score = full[b]
+        row_max = score.amax(dim=-1, keepdim=True)
+        row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+        weights = torch.exp(score - row_max)
+        total = weights.sum(dim=-1, keepdim=True)
+        out[b] = torch.matmul(weights, v64) / torch.where(total == 0, torch.ones_like(total), total)
+        lse[b] = (row_max + torch.log(total)).squeeze(-1)
+    return (out, lse) if return_lse else out

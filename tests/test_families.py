@@ -60,8 +60,8 @@ def test_run_agrees_with_reference(name):
 
 
 def test_unknown_family_is_a_clear_error():
-    with pytest.raises(ValueError, match="--kernel must be one of fwd, bwd, got 'decode'"):
-        family("decode", "--kernel")
+    with pytest.raises(ValueError, match="--kernel must be one of fwd, bwd, decode, got 'fused'"):
+        family("fused", "--kernel")
 
 
 @pytest.mark.parametrize("q_len,rows", [(0, 16), (1, 16), (16, 16), (17, 32), (100, 128), (4096, 4096)])

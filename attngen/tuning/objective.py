@@ -66,6 +66,11 @@ class Problem:
         return FAMILIES[self.kernel]
 
     @property
+    def q_len(self) -> int:
+        """The query length a run takes: seq_len (Sq = Sk), or the family's new tokens (decode)."""
+        return self.family.query_len or self.seq_len
+
+    @property
     def group(self) -> int:
         return self.heads // self.kv_heads
 
@@ -76,15 +81,15 @@ class Problem:
     def entry_key(self) -> registry_.EntryKey:
         return registry_.EntryKey(variant=self.variant, kernel=self.kernel, dtype=self.dtype,
                                   head_dim=self.head_dim, seq_bucket=registry_.seq_bucket(self.seq_len),
-                                  group=self.group)
+                                  group=self.group, batch_bucket=self.family.batch_bucket(self.batch))
 
 
 def _inputs(problem: Problem, device, generator=None) -> list[torch.Tensor]:
-    """Fresh random inputs of the problem's kernel family: (B, Hq, S, D) for each "q" input (the
+    """Fresh random inputs of the problem's kernel family: (B, Hq, Sq, D) for each "q" input (the
     queries, an upstream gradient), (B, Hkv, S, D) for each "kv" input."""
     dtype = DTYPES[problem.dtype]
-    heads = {"q": problem.heads, "kv": problem.kv_heads}
-    return [torch.randn((problem.batch, heads[kind], problem.seq_len, problem.head_dim), device=device,
+    sizes = {"q": (problem.heads, problem.q_len), "kv": (problem.kv_heads, problem.seq_len)}
+    return [torch.randn((problem.batch, *sizes[kind], problem.head_dim), device=device,
                         generator=generator).to(dtype) for kind in problem.family.inputs]
 
 
@@ -137,7 +142,7 @@ class Objective:
         # correctness gate: batch 0 and the query heads of key/value head 0, against float64
         family, topk = problem.family, problem.topk or None
         self.ref = family.reference(*_gate(first, family.inputs, problem.group), self.mask, topk=topk)
-        self.flops = family.flops(self.mask, problem.batch, problem.heads, problem.seq_len, problem.seq_len,
+        self.flops = family.flops(self.mask, problem.batch, problem.heads, problem.q_len, problem.seq_len,
                                   problem.head_dim, self.device)
         self.run = lambda *tensors, config: family.run(*tensors, self.mask, topk=topk, config=config)
 
@@ -192,8 +197,10 @@ class Objective:
         p = self.problem
         if p.effective_topk:
             return None, "SDPA has no top-k softmax"
+        if p.family.query_len and self.mask is not None:
+            return None, "SDPA aligns a mask's new tokens at the start, decode at the end"
         try:  # the mask's exact SDPA form: is_causal, or a boolean attn_mask
-            kwargs, _ = sdpa_kwargs(self.mask, batch=p.batch, heads=p.heads, q_len=p.seq_len, kv_len=p.seq_len,
+            kwargs, _ = sdpa_kwargs(self.mask, batch=p.batch, heads=p.heads, q_len=p.q_len, kv_len=p.seq_len,
                                     device=self.device)
         except Unsupported as e:
             return None, str(e)

@@ -39,7 +39,8 @@ INTERPRETER = "interpreter"  # the gpu key of Triton's CPU interpreter
 # the fields of attngen.config.KernelConfig, with the YAML type each must have
 CONFIG_FIELDS = {"block_m": int, "block_n": int, "num_warps": int, "num_stages": int,
                  "use_tma": bool, "warp_specialize": bool}
-KEY_FIELDS = ("variant", "kernel", "dtype", "head_dim", "seq_bucket", "group")
+KEY_FIELDS = ("variant", "kernel", "dtype", "head_dim", "seq_bucket", "group", "batch_bucket")
+OPTIONAL_KEY_FIELDS = {"batch_bucket": 0}  # a field a file may leave out, and its value then
 ENTRY_FIELDS = KEY_FIELDS + ("config", "ms", "tflops", "sdpa_ms", "trials", "triton", "torch", "date")
 FILE_FIELDS = ("version", "gpu", "device_name", "entries")
 
@@ -85,6 +86,13 @@ def seq_bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def batch_bucket(n: int) -> int:
+    """The batch bucket of `n` (families that tune per batch): the power of two >= n."""
+    if n < 1:
+        raise ValueError(f"batch {n} must be >= 1")
+    return 1 << (n - 1).bit_length()
+
+
 def user_dir() -> Path:
     """The user registry: ATTNGEN_USER_REGISTRY, else $XDG_CONFIG_HOME/attngen/tuned, else
     ~/.config/attngen/tuned."""
@@ -121,6 +129,7 @@ class EntryKey:
     head_dim: int
     seq_bucket: int
     group: int  # GQA group: query heads per kv head
+    batch_bucket: int = 0  # 0: any batch; families that tune per batch (decode): batch_bucket(batch)
 
     def __post_init__(self):
         problems = []
@@ -136,15 +145,17 @@ class EntryKey:
             problems.append(f"seq_bucket={self.seq_bucket!r} must be a power of two >= 16")
         if not (_is_int(self.group) and self.group >= 1):
             problems.append(f"group={self.group!r} must be an integer >= 1")
+        if not (_is_int(self.batch_bucket) and (self.batch_bucket == 0 or self.batch_bucket & (self.batch_bucket - 1) == 0)):
+            problems.append(f"batch_bucket={self.batch_bucket!r} must be 0 (any batch) or a power of two")
         if problems:
             raise ValueError("; ".join(problems))
 
     def sort_key(self) -> tuple:
         """File order: all buckets of one (variant, kernel, dtype, head dim, group) together."""
-        return (self.variant, self.kernel, self.dtype, self.head_dim, self.group, self.seq_bucket)
+        return (self.variant, self.kernel, self.dtype, self.head_dim, self.group, self.seq_bucket, self.batch_bucket)
 
     def without_bucket(self) -> tuple:
-        """Everything but the sequence bucket: the entries a nearest-bucket lookup may use."""
+        """Everything but the sequence and batch buckets: the entries a nearest-bucket lookup may use."""
         return (self.variant, self.kernel, self.dtype, self.head_dim, self.group)
 
 
@@ -192,7 +203,8 @@ class Entry:
 
     def as_dict(self) -> dict:
         """The entry as written to the file, fields in file order."""
-        out = {name: getattr(self.key, name) for name in KEY_FIELDS}
+        out = {name: getattr(self.key, name) for name in KEY_FIELDS
+               if getattr(self.key, name) != OPTIONAL_KEY_FIELDS.get(name, object())}  # optional fields at their default left out
         out.update(config=dict(self.config), ms=self.ms, tflops=self.tflops, sdpa_ms=self.sdpa_ms,
                    trials=self.trials, triton=self.triton, torch=self.torch, date=self.date)
         return out
@@ -231,7 +243,7 @@ def _entry_from_mapping(raw, version: int = SCHEMA_VERSION) -> Entry:
         raise ValueError(f"must be a mapping, got {type(raw).__name__}")
     if version == 1 and "direction" in raw and "kernel" not in raw:
         raw = {("kernel" if name == "direction" else name): value for name, value in raw.items()}
-    missing = [name for name in ENTRY_FIELDS if name not in raw]
+    missing = [name for name in ENTRY_FIELDS if name not in raw and name not in OPTIONAL_KEY_FIELDS]
     unknown = [str(name) for name in raw if name not in ENTRY_FIELDS]
     if missing or unknown:
         raise ValueError("; ".join(([f"lacks {', '.join(missing)}"] if missing else [])
@@ -239,7 +251,7 @@ def _entry_from_mapping(raw, version: int = SCHEMA_VERSION) -> Entry:
     fields = dict(raw)
     if isinstance(fields["date"], datetime.date):  # an unquoted date in a hand-edited file
         fields["date"] = fields["date"].isoformat()
-    key = EntryKey(**{name: fields.pop(name) for name in KEY_FIELDS})
+    key = EntryKey(**{name: fields.pop(name, OPTIONAL_KEY_FIELDS.get(name)) for name in KEY_FIELDS})
     return Entry(key=key, **fields)
 
 
@@ -460,7 +472,8 @@ class Registry:
 
         An exact entry wins (the first source that has one); otherwise the nearest sequence bucket
         of the same variant, kernel, dtype, head dim and group: nearest in log2 distance, then
-        the earlier source, then the larger bucket.
+        the earlier source, then the larger bucket; among those, the nearest batch bucket likewise
+        (for the families that tune per batch).
         """
         for source in self.sources:
             if key in source.entries:
@@ -468,11 +481,17 @@ class Registry:
         candidates = self._buckets.get(key.without_bucket())
         if not candidates:
             return None
-        want = key.seq_bucket.bit_length()
+        want, batch = key.seq_bucket.bit_length(), key.batch_bucket.bit_length()
         rank, entry = min(candidates, key=lambda c: (abs(c[1].key.seq_bucket.bit_length() - want), c[0],
-                                                     -c[1].key.seq_bucket))
-        return entry, (f"nearest sequence bucket {entry.key.seq_bucket} (asked {key.seq_bucket}) "
-                       f"in {self.sources[rank].path}")
+                                                     -c[1].key.seq_bucket,
+                                                     abs(c[1].key.batch_bucket.bit_length() - batch),
+                                                     -c[1].key.batch_bucket))
+        found = f"nearest sequence bucket {entry.key.seq_bucket} (asked {key.seq_bucket})"
+        if entry.key.seq_bucket == key.seq_bucket:
+            found = f"nearest batch bucket {entry.key.batch_bucket} (asked {key.batch_bucket})"
+        elif key.batch_bucket:
+            found += f", batch bucket {entry.key.batch_bucket} (asked {key.batch_bucket})"
+        return entry, f"{found} in {self.sources[rank].path}"
 
     def entries(self) -> Iterator[tuple[Path | None, Entry]]:
         """Every (source path, entry), sources in order of preference."""

@@ -265,10 +265,13 @@ def problems_from_args(args) -> list[Problem]:
                 raise ValueError(f"--dtype must be a list of {', '.join(DTYPES)}, got {dtype!r}")
             for head_dim in args.head_dim:
                 for seq_len in args.seq_len:
-                    for topk in args.topk:
-                        out.append(Problem(mask=args.mask, dtype=dtype, batch=args.batch, heads=args.heads,
-                                           kv_heads=args.kv_heads, seq_len=seq_len, head_dim=head_dim, kernel=kernel,
-                                           topk=topk))
+                    for batch in args.batch:
+                        for topk in args.topk:
+                            if topk and kernel == "decode" and args.kernel == "all":
+                                continue  # no top-k decode kernel: check_problems refuses it when asked for
+                            out.append(Problem(mask=args.mask, dtype=dtype, batch=batch, heads=args.heads,
+                                               kv_heads=args.kv_heads, seq_len=seq_len, head_dim=head_dim,
+                                               kernel=kernel, topk=topk))
     return out
 
 
@@ -286,6 +289,8 @@ def check_problems(problems: list[Problem], interpret: bool):
             raise ValueError(f"--heads {p.heads} is not a multiple of --kv-heads {p.kv_heads}")
         if min(p.batch, p.heads, p.kv_heads, p.seq_len, p.head_dim) < 1 or p.head_dim > 256:
             raise ValueError("--batch, --heads, --kv-heads, --seq-len must be >= 1 and --head-dim 1..256")
+        if p.topk and p.kernel == "decode":
+            raise ValueError("--topk: the decode kernels have no top-k softmax")
         if p.topk < 0 or p.topk > MAX_TOPK:
             raise ValueError(f"--topk must be between 1 and {MAX_TOPK} (0: plain softmax), got {p.topk}")
         if interpret and p.dtype == "bf16":
@@ -392,8 +397,11 @@ def add_arguments(parser) -> None:
                    help="mask variant, e.g. causal or 'sliding_window(window=1024)' (default none = dense)")
     g.add_argument("--dtype", type=comma_list(str), default=None, help="fp16,bf16,fp32 (default bf16,fp16)")
     g.add_argument("--head-dim", type=comma_list(int), default=None, help="default 64,128")
-    g.add_argument("--seq-len", type=comma_list(int), default=None, help="default 1024,4096,16384 (Sq = Sk)")
-    g.add_argument("--batch", type=int, default=None, help="default 4")
+    g.add_argument("--seq-len", type=comma_list(int), default=None,
+                   help="default 1024,4096,16384 (Sq = Sk; for --kernel decode the cache length, Sq = 1)")
+    g.add_argument("--batch", type=comma_list(int), default=None,
+                   help="default 4; the decode family keeps a registry entry per batch bucket (a power of two), so "
+                        "tune it at the batches it will run, e.g. 1,8,64")
     g.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default = --heads)")
     g.add_argument("--kernel", default="fwd", choices=[*FAMILIES, "all"],
@@ -434,7 +442,7 @@ def add_arguments(parser) -> None:
 def fill_defaults(args) -> None:
     tiny = args.interpret
     defaults = dict(dtype=["fp16"] if tiny else ["bf16", "fp16"], head_dim=[32] if tiny else [64, 128],
-                    seq_len=[64] if tiny else [1024, 4096, 16384], batch=1 if tiny else 4, heads=2 if tiny else 16,
+                    seq_len=[64] if tiny else [1024, 4096, 16384], batch=[1] if tiny else [4], heads=2 if tiny else 16,
                     trials=6 if tiny else 40, jobs=2 if tiny else 8)
     for name, value in defaults.items():
         if getattr(args, name) is None:

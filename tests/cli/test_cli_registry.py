@@ -38,12 +38,12 @@ def test_list_names_every_source_and_its_entries(user_registry, capsys):
 def test_show_prints_configs_as_attngen_shows_them(user_registry, capsys):
     assert cli.main(["registry", "show"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["source", "variant", "kernel", "dtype", "D", "bucket", "group", "config", "ms",
-                                "TFLOP/s", "SDPA", "ms", "speedup", "trials", "date"]
+    assert lines[0].split() == ["source", "variant", "kernel", "dtype", "D", "bucket", "group", "batch", "config",
+                                "ms", "TFLOP/s", "SDPA", "ms", "speedup", "trials", "date"]
     causal, dense = lines[1:]
     # configs as stored and as tune / explain print them (the interpreter runs the tma path too);
     # four significant digits
-    assert causal.split() == [str(user_registry), "causal(align='top_left')", "fwd", "fp16", "32", "64", "1", "32x16",
+    assert causal.split() == [str(user_registry), "causal(align='top_left')", "fwd", "fp16", "32", "64", "1", "any", "32x16",
                               "w4", "s2", "tma", "0.5", "12.5", "1", "2.00x", "7", "2026-11-29"]
     assert "  32x16 w4 s2 tma  " in causal and "  16x64 w2 s1 ws  " in dense and dense.split()[-4:-2] == ["n/a", "n/a"]
 
@@ -56,7 +56,7 @@ def test_show_keeps_small_figures_and_gpu_flags(user_registry, capsys):
     registry.write_entries(user_registry.with_name("h200.yaml"), [slow], "h200", "NVIDIA H200")
     assert cli.main(["registry", "show"]) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if " none " in ln and " 64 " in ln]
-    assert line.split()[7:13] == ["32x16", "w4", "s2", "tma", "1235", "1.812e-05"]  # not 0.0 TFLOP/s
+    assert line.split()[8:14] == ["32x16", "w4", "s2", "tma", "1235", "1.812e-05"]  # not 0.0 TFLOP/s
     assert cli.main(["registry", "show", "--gpu", "h200"]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert str(user_registry.with_name("h200.yaml")) in line and "  32x16 w4 s2 tma  " in line

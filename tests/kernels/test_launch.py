@@ -58,7 +58,14 @@ def _backward(q, k, v, mask):
         assert not torch.isnan(got).any() and rel_error(got, want) <= 2 * TOLERANCE[q.dtype]  # sums over tiles
 
 
-RUNS = {"forward": _forward, "topk": _topk, "backward": _backward}  # a call that runs each kernel template
+def _decode(q, k, v, mask):
+    lens = torch.tensor([k.shape[2] - 7], dtype=torch.int32)  # a cache not full
+    out = attngen.decode(q, k, v, lens, mask=mask)
+    ref = attngen.reference.decode(q, k, v, lens, mask=mask)
+    assert not torch.isnan(out).any() and rel_error(out, ref) <= TOLERANCE[q.dtype]
+
+
+RUNS = {"forward": _forward, "topk": _topk, "backward": _backward, "decode": _decode}  # a call that runs each kernel template
 
 
 @pytest.mark.parametrize("template", launch.kernel_templates())
@@ -66,7 +73,7 @@ def test_every_kernel_template_runs(template):
     """Code that is never run rots: every kernel template has a call that runs it (the families'
     own tests run each in depth), here once on a ragged shape against the float64 reference."""
     assert template in RUNS, f"no test runs templates/kernels/{template}.py.jinja: add one to RUNS"
-    q, k, v = rand_qkv(1, 2, 1, 37, 45, 16, torch.float32)
+    q, k, v = rand_qkv(1, 2, 1, 37 if template != "decode" else 3, 45, 16, torch.float32)
     RUNS[template](q, k, v, attngen.mask("causal") & attngen.mask("softcap", cap=4.0))
 
 

@@ -1,0 +1,262 @@
+"""The decode kernels (split-KV over contiguous and paged KV caches) against the float64 reference:
+fresh random inputs, ragged lengths (1 and lengths that are no multiple of a page or a tile),
+GQA, several new tokens, every mask, poisoned outputs; the errors of bad caches, tables and lengths."""
+
+import pytest
+import torch
+
+import attngen
+from attngen import decoding
+from attngen.checks import Shape
+from attngen.config import KernelConfig
+from attngen.kernels import decode as decode_kernels
+from attngen.kernels.decode import Cache, decode_forward, split_count
+from helpers import DEVICE, assert_close, poisoned_like
+from masks_zoo import ZOO
+
+# splits of at least 16 keys, 16-key tiles: the small caches here take several of both
+CONFIG = KernelConfig(16, 16, 4, 1)
+PAGE = 8
+
+
+def make_case(batch, heads, kv_heads, q_len, capacity, dtype, lens, generator, head_dim=16):
+    """q, a contiguous cache (B, Hkv, capacity, D) and its lengths, fresh random values."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+    q = randn(batch, heads, q_len, head_dim)
+    k, v = randn(batch, kv_heads, capacity, head_dim), randn(batch, kv_heads, capacity, head_dim)
+    return q, k, v, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+
+def paged(k, v, lens, generator, page=PAGE):
+    """The same keys and values in a paged cache: the pages of all sequences shuffled into one pool
+    with spare pages of noise, a block table with a spare column of -1 (pages no sequence uses)."""
+    batch, kv_heads, capacity, d = k.shape
+    per_seq = capacity // page
+    n_pages = batch * per_seq + 5
+    order = torch.randperm(n_pages, generator=generator)[:batch * per_seq].view(batch, per_seq)
+    pool_k = torch.randn(n_pages, page, kv_heads, d, generator=generator).to(k.dtype).to(DEVICE)
+    pool_v = torch.randn(n_pages, page, kv_heads, d, generator=generator).to(k.dtype).to(DEVICE)
+    for b in range(batch):
+        for j in range(per_seq):
+            pool_k[order[b, j]] = k[b, :, j * page:(j + 1) * page].transpose(0, 1)
+            pool_v[order[b, j]] = v[b, :, j * page:(j + 1) * page].transpose(0, 1)
+    table = torch.cat([order, torch.full((batch, 1), -1)], dim=1).to(torch.int32).to(DEVICE)
+    # the spare column is past every length: unused, so never read nor checked
+    assert int(lens.max()) <= capacity
+    return pool_k, pool_v, table
+
+
+def run_checked(q, k, v, lens, table=None, mask=None, splits=None, config=CONFIG):
+    """decode_forward on poisoned outputs against the float64 reference; returns (out, lse)."""
+    out, lse = poisoned_like(q)
+    decode_forward(q, k, v, lens, block_table=table, mask=mask, return_lse=True, config=config, splits=splits,
+                   out=out, lse=lse)
+    ref, ref_lse = attngen.reference.decode(q, k, v, lens, block_table=table, mask=mask, return_lse=True)
+    assert_close(out, ref, q.dtype, lse, ref_lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("q_len,group", [(1, 1), (1, 4), (4, 2)])
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_the_reference(layout, q_len, group, splits, dtype):
+    g = torch.Generator().manual_seed(q_len * 100 + group * 10 + (splits or 0))
+    capacity = 6 * PAGE  # 48 keys
+    lens = [capacity, q_len, 37]  # full, only the new tokens (1 with q_len 1), no multiple of a page or tile
+    q, k, v, lens_t = make_case(3, 2 * group, 2, q_len, capacity, dtype, lens, g)
+    if layout == "paged":
+        k, v, table = paged(k, v, lens_t, g)
+        run_checked(q, k, v, lens_t, table, splits=splits)
+    else:
+        run_checked(q, k, v, lens_t, splits=splits)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_every_mask(name, layout):
+    """Every built-in mask and combination, its positions counted from each sequence's end (the
+    mask's tensors sized for the cache's capacity)."""
+    g = torch.Generator().manual_seed(len(name))
+    capacity = 8 * PAGE
+    q, k, v, lens = make_case(2, 4, 2, 2, capacity, torch.float32, [capacity - 3, 29], g)
+    table = None
+    if layout == "paged":
+        k, v, table = paged(k, v, lens, g)
+        capacity = table.shape[1] * PAGE  # the spare column counts
+    mask = ZOO[name](2, 4, capacity, capacity, DEVICE)
+    run_checked(q, k, v, lens, table, mask=mask, splits=3)
+
+
+def test_paged_is_bit_identical_to_contiguous():
+    """One computation whatever the layout: the same keys through a block table give the same bits."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, lens = make_case(3, 4, 2, 1, 5 * PAGE, torch.float16, [40, 1, 23], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    for splits in (1, 4):
+        contiguous = decode_forward(q, k, v, lens, config=CONFIG, splits=splits)[0]
+        through_pages = decode_forward(q, pool_k, pool_v, lens, block_table=table, config=CONFIG, splits=splits)[0]
+        assert torch.equal(contiguous, through_pages)
+
+
+@pytest.mark.parametrize("page", [1, 3, 16, 64])
+def test_page_sizes(page):
+    """Pages smaller than a tile, of an odd size, of a tile, and larger than a tile."""
+    g = torch.Generator().manual_seed(page)
+    capacity = 2 * 64 if page == 64 else 24 * page if page < 16 else 4 * page
+    q, k, v, lens = make_case(2, 2, 1, 1, capacity, torch.float32, [capacity - 1, 5], g)
+    pool_k, pool_v, table = paged(k, v, lens, g, page)
+    run_checked(q, pool_k, pool_v, lens, table, splits=2)
+
+
+def test_public_decode_matches_and_keeps_one_plan(monkeypatch):
+    """attngen.decode: the dispatcher's config; new lengths and a new block table reuse the plan."""
+    built = []
+    real = decoding.DecodePlan
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "DecodePlan", counting)
+    decoding._plans.clear()
+    g = torch.Generator().manual_seed(9)
+    q, k, v, lens = make_case(2, 4, 1, 1, 4 * PAGE, torch.float32, [32, 9], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    for new_lens in ([32, 9], [3, 31], [1, 1]):
+        lens = torch.tensor(new_lens, dtype=torch.int32, device=DEVICE)
+        table = table[torch.randperm(2, generator=g)]  # other pages for each sequence
+        out, lse = attngen.decode(q, pool_k, pool_v, lens, block_table=table, mask="causal", scale=0.3,
+                                  return_lse=True)
+        ref, ref_lse = attngen.reference.decode(q, pool_k, pool_v, lens, block_table=table, mask="causal", scale=0.3,
+                                                return_lse=True)
+        assert_close(out, ref, q.dtype, lse, ref_lse)
+    assert len(built) == 1
+    # a contiguous cache without lengths: every sequence is full
+    out = attngen.decode(q, k, v)
+    assert_close(out, attngen.reference.decode(q, k, v), q.dtype)
+
+
+def test_split_rule():
+    """Two programs per SM, never splits shorter than config.block_m keys."""
+    def splits(batch, kv_heads, capacity, block_m=256, sms=132):
+        shape = Shape(batch, kv_heads * 4, kv_heads, 1, capacity, 128)
+        return split_count(shape, Cache(False, capacity, batch, capacity), KernelConfig(block_m, 64, 4, 2), sms)
+    assert splits(1, 8, 65536) == 33  # 264 programs for 132 SMs
+    assert splits(8, 8, 8192) == 5
+    assert splits(64, 8, 2048) == 1  # 512 (batch, head) programs fill the GPU already
+    assert splits(1, 8, 1024) == 4  # 1024 keys: four splits of 256
+    assert splits(1, 8, 100) == 1
+    assert splits(1, 1, 65536, block_m=4096) == 16
+
+
+def test_bad_values_never_read_outside_the_cache():
+    """validate=False: lengths past the capacity count as the capacity, pages outside the cache as
+    zeros (the reference's dense_cache does the same); nothing else is read."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v, lens = make_case(2, 2, 1, 1, 4 * PAGE, torch.float32, [32, 20], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    long = torch.tensor([1000, 20], dtype=torch.int32, device=DEVICE)
+    out = decode_forward(q, k, v, long, config=CONFIG, validate=False)[0]
+    assert torch.equal(out, decode_forward(q, k, v, lens, config=CONFIG)[0])
+    table[1, 0] = 10_000
+    out = decode_forward(q, pool_k, pool_v, lens, block_table=table, config=CONFIG, validate=False)[0]
+    assert_close(out, attngen.reference.decode(q, pool_k, pool_v, lens, block_table=table), q.dtype)
+
+
+def _case():
+    g = torch.Generator().manual_seed(0)
+    q, k, v, lens = make_case(2, 4, 2, 1, 32, torch.float32, [32, 4], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    return dict(q=q, k=k, v=v, lens=lens, pool_k=pool_k, pool_v=pool_v, table=table)
+
+
+BAD = {
+    "length under Sq": (lambda c: attngen.decode(c["q"].expand(2, 4, 2, 16), c["k"], c["v"],
+                                                 torch.tensor([32, 1], dtype=torch.int32)),
+                        ValueError, r"seq_lens\[1\] = 1 must be between the 2 new tokens .* capacity 32"),
+    "length past the cache": (lambda c: attngen.decode(c["q"], c["k"], c["v"], torch.tensor([33, 4], dtype=torch.int32)),
+                              ValueError, r"seq_lens\[0\] = 33 must be between the 1 new tokens .* capacity 32"),
+    "page outside the cache": (lambda c: attngen.decode(c["q"], c["pool_k"], c["pool_v"], c["lens"],
+                                                        block_table=c["table"].masked_fill(c["table"] == c["table"][1, 0], 99)),
+                               ValueError, r"block_table\[1, 0\] = 99 is not a page of the cache \(0..12\)"),
+    "negative page in use": (lambda c: attngen.decode(c["q"], c["pool_k"], c["pool_v"], c["lens"],
+                                                      block_table=torch.cat([c["table"][:, :1], -c["table"][:, 1:2] - 1,
+                                                                             c["table"][:, 2:]], 1)),
+                             ValueError, r"block_table\[0, 1\] = -\d+ is not a page of the cache"),
+    "paged without lengths": (lambda c: attngen.decode(c["q"], c["pool_k"], c["pool_v"], block_table=c["table"]),
+                              ValueError, "a paged cache needs seq_lens"),
+    "float lengths": (lambda c: attngen.decode(c["q"], c["k"], c["v"], c["lens"].float()),
+                      ValueError, r"seq_lens must be a \(2,\) int32 or int64 tensor"),
+    "table of floats": (lambda c: attngen.decode(c["q"], c["pool_k"], c["pool_v"], c["lens"],
+                                                 block_table=c["table"].float()),
+                        TypeError, "block_table must hold int32 or int64 page numbers"),
+    "table of another batch": (lambda c: attngen.decode(c["q"], c["pool_k"], c["pool_v"], c["lens"],
+                                                        block_table=c["table"][:1]),
+                               ValueError, r"block_table must have shape \(batch, pages per sequence\) = \(2, ...\)"),
+    "3-d cache": (lambda c: attngen.decode(c["q"], c["k"][0], c["v"][0]), ValueError,
+                  r"k_cache must have 4 dimensions \(batch, heads, seq_len, head_dim\)"),
+    "cache dtype": (lambda c: attngen.decode(c["q"], c["k"].half(), c["v"].half()), TypeError,
+                    "k_cache has dtype torch.float16 but q has torch.float32"),
+    "other batch": (lambda c: attngen.decode(c["q"], c["k"][:1], c["v"][:1]), ValueError,
+                    "k_cache has batch 1 but q has 2"),
+    "heads": (lambda c: attngen.decode(c["q"][:, :3], c["k"], c["v"]), ValueError,
+              "q has 3 heads, which is not a multiple of the cache's 2"),
+    "too many rows": (lambda c: attngen.decode(c["q"].expand(2, 4, 65, 16), c["k"], c["v"]), ValueError,
+                      "2 query heads of a key/value head times the 65 new tokens = 130 rows"),
+    "grad": (lambda c: attngen.decode(c["q"].clone().requires_grad_(), c["k"], c["v"]), ValueError,
+             "attngen.decode has no backward"),
+    "validate flag": (lambda c: attngen.decode(c["q"], c["k"], c["v"], validate="no"), TypeError,
+                      "validate must be a bool"),
+    "scale": (lambda c: attngen.decode(c["q"], c["k"], c["v"], scale="big"), TypeError,
+              "scale must be a float or None"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_is_a_clear_error(name):
+    call, kind, message = BAD[name]
+    with pytest.raises(kind, match=message):
+        call(_case())
+
+
+# ---------------------------------------------------------------------------------------------
+# on the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_bf16_decode_at_a_model_shape(layout):
+    """bf16 (which the interpreter cannot run), Hq 32 / Hkv 8, D 128, ragged lengths, the
+    dispatcher's config and split rule."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, lens = make_case(4, 32, 8, 1, 64 * 16, torch.bfloat16, [1024, 1, 777, 300], g, head_dim=128)
+    table = None
+    if layout == "paged":
+        k, v, table = paged(k, v, lens, g, page=16)
+    out = attngen.decode(q, k, v, lens, block_table=table)
+    assert_close(out, attngen.reference.decode(q, k, v, lens, block_table=table), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_a_decode_step_captured_in_a_cuda_graph():
+    """A decode step captured once replays on new tokens, new lengths and a new block table (written
+    into the captured tensors), without recompiling, and equals eager calls."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, lens = make_case(3, 8, 2, 1, 32 * PAGE, torch.float16, [256, 100, 7], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    attngen.decode(q, pool_k, pool_v, lens, block_table=table, mask="causal")  # compile outside the capture
+    module = decode_kernels.module_for("decode", attngen.masks.as_mask("causal"))
+    compiled = sum(len(c[0]) for c in module.decode_fwd.device_caches.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attngen.decode(q, pool_k, pool_v, lens, block_table=table, mask="causal")
+    for step in range(3):
+        q.copy_(torch.randn(q.shape, generator=g).to(q.dtype))
+        lens.copy_(torch.tensor([256 - step, 100 + step * 50, 8 + step], dtype=torch.int32))
+        table.copy_(table[torch.randperm(3, generator=g)])
+        graph.replay()
+        eager = attngen.decode(q, pool_k, pool_v, lens, block_table=table, mask="causal")
+        assert torch.equal(out, eager)
+        assert_close(out, attngen.reference.decode(q, pool_k, pool_v, lens, block_table=table, mask="causal"),
+                     torch.float16)
+    assert sum(len(c[0]) for c in module.decode_fwd.device_caches.values()) == compiled
