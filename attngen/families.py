@@ -140,7 +140,7 @@ def _decode_reference(q, k, v, mask, *, topk):
 
 DECODE = KernelFamily(
     name="decode",
-    doc="decoding over a KV cache, contiguous or paged (split-KV; no top-k)",
+    doc="decoding over a KV cache, contiguous or paged, its keys split across programs",
     templates=("decode",),
     space="decode",
     topk_space="decode",

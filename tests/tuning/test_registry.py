@@ -103,6 +103,8 @@ def test_missing_config_field_is_refused():
     (dict(seq_bucket=1000), "seq_bucket=1000 must be a power of two"),
     (dict(group=0), "group=0"),
     (dict(head_dim=True), "head_dim=True"),
+    (dict(batch_bucket=3), "batch_bucket=3 must be 0 \\(any batch\\) or a power of two"),
+    (dict(batch_bucket=-4), "batch_bucket=-4"),
 ])
 def test_invalid_key_is_refused(fields, reason):
     with pytest.raises(ValueError, match=reason):
@@ -130,6 +132,21 @@ def test_round_trip(tmp_path, no_warnings):
     assert "  config: {block_m: 128, block_n: 64, num_warps: 4, num_stages: 2, use_tma: true, " \
            "warp_specialize: false}\n" in text
     assert "  date: '2026-11-29'\n" in text
+
+
+def test_batch_bucket_is_written_only_where_set(tmp_path, no_warnings):
+    """The families that tune per batch (decode) key entries by batch bucket; the others' entries
+    (batch_bucket 0: any batch) leave the field out, so files written before it read the same."""
+    per_batch = make_entry(kernel="decode", bucket=8192)
+    per_batch = Entry(dataclasses.replace(per_batch.key, batch_bucket=8), per_batch.config, 1.0, 2.0, None, 3,
+                      "3.6.0", "2.11", "2026-12-03")
+    path = tmp_path / "h200.yaml"
+    write_entries(path, [make_entry(), per_batch], "h200", "NVIDIA H200")
+    assert path.read_text().count("batch_bucket") == 1 and "  batch_bucket: 8\n" in path.read_text()
+    assert {e.key.batch_bucket for e in load_file(path).entries.values()} == {0, 8}
+    assert [registry.batch_bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
+    with pytest.raises(ValueError, match="batch 0 must be >= 1"):
+        registry.batch_bucket(0)
 
 
 def test_output_is_deterministic(tmp_path):

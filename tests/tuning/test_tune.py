@@ -92,6 +92,31 @@ print(attngen.explain(q, q, q))
     assert "no registry entry" in plain  # plain softmax is another variant: not tuned here
 
 
+def test_tune_decode_keeps_an_entry_per_batch_bucket(tmp_path):
+    """`--kernel decode --batch 1,3`: one study per batch, registry entries keyed by batch bucket (1
+    and 4) with one new token against a cache of --seq-len keys; the dispatcher picks by batch."""
+    r = run_tune(tmp_path, "--kernel", "decode", "--batch", "1,3", "--trials", "2", "--jobs", "1", "--seq-len", "40",
+                 "--head-dim", "16", "--heads", "4", "--kv-heads", "2", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert "2 of 2 problems have a winner" in r.stdout
+    file = registry.load_file(tmp_path / "reg" / "interpreter.yaml")
+    keys = sorted((e.key.kernel, e.key.batch_bucket, e.key.seq_bucket, e.key.group) for e in file.entries.values())
+    assert keys == [("decode", 1, 64, 2), ("decode", 4, 64, 2)]
+    assert (tmp_path / "reg" / "interpreter.yaml").read_text().count("batch_bucket: ") == 2
+    configs = {e.key.batch_bucket: str(e.kernel_config()) for e in file.entries.values()}
+    chosen = interpreted(tmp_path, """
+import torch, attngen
+for batch in (1, 3, 2, 64):
+    q, k = torch.randn(batch, 4, 1, 16).half(), torch.randn(batch, 2, 50, 16).half()
+    choice = attngen.dispatch.choose(q, k, k, kernel="decode")
+    print(choice.config, "|", choice.source)
+""").splitlines()
+    assert chosen[0].startswith(configs[1] + " | registry: exact entry")
+    assert chosen[1].startswith(configs[4] + " | registry: exact entry")
+    assert chosen[2].startswith(configs[4] + " | registry: nearest batch bucket 4 (asked 2)")  # ties: the larger
+    assert chosen[3].startswith(configs[4] + " | registry: nearest batch bucket 4 (asked 64)")
+
+
 def test_killed_tuner_resumes_without_losing_trials(tmp_path):
     env = cli_env(tmp_path)
     args = attngen_cmd("tune", "--interpret", "--mask", "none", "--trials", "6", "--jobs", "1", "--seq-len", "40",
@@ -189,6 +214,8 @@ BAD_OPTIONS = [
     (["--interpret", "--topk", "2000"], "--topk must be between 1 and 1024"),
     (["--interpret", "--topk", "x"], "--topk"),
     (["--interpret", "--space", "backward"], "backward.yaml is a space for 'bwd' kernels, not 'fwd'"),
+    (["--interpret", "--kernel", "decode", "--topk", "8"], "--topk: the decode kernels have no top-k softmax"),
+    (["--interpret", "--batch", "2,x"], "--batch"),
 ] + ([] if torch.cuda.is_available() else [([], "no CUDA device found: tune on the target GPU, or pass --interpret")])
 
 # attngen's command line (cli.main, what `python -m attngen` runs) on every bad option list, in one process
@@ -231,7 +258,7 @@ def test_tune_help_lists_the_options_and_the_kernel_families(tmp_path):
         assert option in r.stdout
     assert "--direction" not in r.stdout
     text = " ".join(r.stdout.split())  # argparse wraps the help
-    assert "--kernel {fwd,bwd,all}" in text
+    assert "--kernel {fwd,bwd,decode,all}" in text
     for family in FAMILIES.values():
         assert f"{family.name}: {family.doc}" in text
 
