@@ -1,0 +1,184 @@
+"""Decoding on one GPU: attngen.decode (contiguous and paged caches) against SDPA's flash and
+efficient backends, FlexAttention and, where its wheel is installed, FlashInfer's decode kernels.
+
+    python benchmarks/decode.py --out DIR [--cases 1x65536,8x8192,64x2048] [--page 16]
+
+Shapes: bf16, Hq 32, Hkv 8, D 128, one new token per sequence, every sequence full (B x S keys).
+Every method's output is first compared with attngen.reference.decode (float64); then each is
+timed with triton.testing.do_bench medians. K+V bytes per call exceed the L2 (every shape here
+reads 256 MiB), so the inputs are not rotated. GB/s counts the K+V bytes a call must read; the
+copy row is a plain device copy of the same bytes (read + write counted) in the same run, the
+bandwidth the goal (80%) is measured against. Also the host time per call at a tiny shape (B 1,
+256 keys): N calls back to back, the wall time before synchronising divided by N (the GPU is
+not the bottleneck there). Writes decode.json into --out and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import attngen
+
+HQ, HKV, D = 32, 8, 128
+
+
+def paged_copy(k, v, page: int, generator):
+    """The cache as a shuffled pool of pages and a block table (int32)."""
+    batch, kv_heads, length, d = k.shape
+    per_seq = length // page
+    order = torch.randperm(batch * per_seq, generator=generator).to(k.device).view(batch, per_seq)
+    pool_k = torch.empty(batch * per_seq, page, kv_heads, d, dtype=k.dtype, device=k.device)
+    pool_v = torch.empty_like(pool_k)
+    pool_k[order.flatten()] = k.view(batch, kv_heads, per_seq, page, d).permute(0, 2, 3, 1, 4).reshape(-1, page,
+                                                                                                      kv_heads, d)
+    pool_v[order.flatten()] = v.view(batch, kv_heads, per_seq, page, d).permute(0, 2, 3, 1, 4).reshape(-1, page,
+                                                                                                      kv_heads, d)
+    return pool_k, pool_v, order.to(torch.int32)
+
+
+def methods(q, k, v, lens, pool_k, pool_v, table, page):
+    """name -> a function of no arguments, or the reason it cannot run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return run
+
+    out["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    out["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+        out["flex"] = lambda: flex(q, k, v, enable_gqa=True)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        out["flex"] = f"{type(e).__name__}: {e}"
+    try:
+        import flashinfer
+
+        workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=q.device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        batch = q.shape[0]
+        indptr = torch.arange(0, batch + 1, device=q.device, dtype=torch.int32) * table.shape[1]
+        last = torch.full((batch,), page, dtype=torch.int32, device=q.device)
+        wrapper.plan(indptr, table.flatten(), last, HQ, HKV, D, page, data_type=q.dtype)
+        q_flat = q[:, :, 0].contiguous()
+        out["flashinfer_paged"] = lambda: wrapper.run(q_flat, (pool_k, pool_v)).view(q.shape)
+    except Exception as e:  # noqa: BLE001 - not installed on the GPU machine, most likely
+        out["flashinfer_paged"] = f"{type(e).__name__}: {str(e)[:80]}"
+    out["attngen"] = lambda: attngen.decode(q, k, v, lens, validate=False)
+    out["attngen_paged"] = lambda: attngen.decode(q, pool_k, pool_v, lens, block_table=table, validate=False)
+    return out
+
+
+def host_time(device) -> dict:
+    """µs of host time per call at a tiny shape, for attngen.decode and SDPA's flash backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, HQ, 1, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, HKV, 256, D, device=device, dtype=torch.bfloat16)
+    lens = torch.full((1,), 256, dtype=torch.int32, device=device)
+    fns = {"sdpa_flash": lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True),
+           "attngen.decode": lambda: attngen.decode(q, k, k, lens, validate=False),
+           "attngen.decode validate": lambda: attngen.decode(q, k, k, lens)}
+    out = {}
+    for name, fn in fns.items():
+        context = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if name == "sdpa_flash" else None
+        if context is not None:
+            context.__enter__()
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        n = 2000
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = (time.perf_counter() - start) / n * 1e6
+        torch.cuda.synchronize()
+        if context is not None:
+            context.__exit__(None, None, None)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", default="1x65536,8x8192,64x2048", help="BxS list")
+    parser.add_argument("--page", type=int, default=16, help="rows per page of the paged cache (default 16)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    results = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
+                   torch=torch.__version__, triton=triton.__version__, attngen=attngen.__version__,
+                   shape=dict(heads=HQ, kv_heads=HKV, head_dim=D, q_len=1, dtype="bf16"), cases=[])
+    rows = []
+    for case in args.cases.split(","):
+        batch, length = (int(x) for x in case.split("x"))
+        q = torch.randn(batch, HQ, 1, D, generator=g).to(torch.bfloat16).to(device)
+        k = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
+        v = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
+        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        pool_k, pool_v, table = paged_copy(k, v, args.page, g)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        copy_src = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+        copy_dst = torch.empty_like(copy_src)
+        copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), return_mode="median")
+        copy_gbs = 2 * copy_src.numel() * 2 / copy_ms / 1e6
+        ref = attngen.reference.decode(q, k, v, lens).float()
+        entry = dict(batch=batch, length=length, kv_bytes=kv_bytes, copy_ms=copy_ms, copy_gbs=copy_gbs, methods={})
+        rows.append((f"B{batch} S{length}", "copy (read+write)", f"{copy_ms * 1e3:.1f}", f"{copy_gbs:.0f}", "", ""))
+        for name, fn in methods(q, k, v, lens, pool_k, pool_v, table, args.page).items():
+            if isinstance(fn, str):
+                entry["methods"][name] = dict(error=fn)
+                rows.append((f"B{batch} S{length}", name, "n/a", "", "", fn[:60]))
+                continue
+            try:
+                got = fn().float()
+                err = float((got - ref).norm() / ref.norm())
+                if not err < 2e-2:
+                    raise AssertionError(f"relative error {err:.2e} against the float64 reference")
+                ms = triton.testing.do_bench(fn, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                entry["methods"][name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append((f"B{batch} S{length}", name, "n/a", "", "", f"{type(e).__name__}: {str(e)[:60]}"))
+                continue
+            gbs = kv_bytes / ms / 1e6
+            entry["methods"][name] = dict(ms=ms, gbs=gbs, error_vs_ref=err, of_copy=gbs / copy_gbs)
+            rows.append((f"B{batch} S{length}", name, f"{ms * 1e3:.1f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}",
+                         f"err {err:.1e}"))
+        if "ms" in entry["methods"].get("attngen", {}):
+            choice = attngen.dispatch.choose(q, k, v, kernel="decode")
+            from attngen.kernels.decode import check_decode, sm_count, split_count
+            shape, cache = check_decode(q, k, v, lens, None)
+            entry["attngen_config"] = f"{choice.config} splits {split_count(shape, cache, choice.config, sm_count(device))}"
+            entry["attngen_source"] = choice.source
+        results["cases"].append(entry)
+        (args.out / "decode.json").write_text(json.dumps(results, indent=1))
+    results["host_us"] = host_time(device)
+    (args.out / "decode.json").write_text(json.dumps(results, indent=1))
+    widths = [max(len(r[i]) for r in rows + [("case", "method", "µs", "GB/s", "of copy", "")]) for i in range(6)]
+    print("  ".join(h.ljust(w) for h, w in zip(("case", "method", "µs", "GB/s", "of copy", ""), widths)))
+    for r in rows:
+        print("  ".join(x.ljust(w) for x, w in zip(r, widths)))
+    for case in results["cases"]:
+        if "attngen_config" in case:
+            print(f"B{case['batch']} S{case['length']}: attngen {case['attngen_config']} ({case['attngen_source']})")
+    print("host µs per call (B1, 256 keys): " + ", ".join(f"{k} {v:.1f}" for k, v in results["host_us"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
