@@ -154,13 +154,19 @@ def sm_count(device: torch.device) -> int:
 
 
 def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> int:
-    """The split rule: enough programs for two per SM, never a split of fewer than config.block_m keys
-    of the cache's capacity. Each program then takes an equal share of its own sequence's length (in
-    the kernel), so lengths that change never change the grid, nor recompile."""
-    programs = shape.batch * shape.kv_heads
-    want = math.ceil(2 * sms / programs)
-    most = math.ceil(cache.capacity / max(config.block_m, config.block_n))
-    return max(1, min(want, most))
+    """The split rule: how many programs share each (sequence, key/value head)'s keys. Programs fill
+    two slots per SM; a split count n is worth its (B * Hkv * n) programs' share of full waves, and
+    the rule takes the smallest n within 85% of the best such share (FlashAttention's split-KV
+    heuristic), never splits shorter than config.block_m keys of the cache's capacity, and none when
+    the (sequence, head) pairs alone fill 80% of the slots. Each program then takes an equal share
+    of its own sequence's length (in the kernel), so lengths that change never change the grid."""
+    programs, slots = shape.batch * shape.kv_heads, 2 * sms
+    most = max(1, math.ceil(cache.capacity / max(config.block_m, config.block_n)))
+    if programs >= 0.8 * slots or most == 1:
+        return 1
+    share = [programs * n / (math.ceil(programs * n / slots) * slots) for n in range(1, most + 1)]
+    best = max(share)
+    return next(n for n, s in enumerate(share, 1) if s >= 0.85 * best)
 
 
 def rows_tile(shape: Shape) -> int:
