@@ -265,6 +265,10 @@ class Expr:
         tree = Replace().visit(ast.parse(self.text, mode="eval").body)
         return Expr(ast.unparse(tree), self._allowed | set(tensors), {**self._tensors, **tensors})
 
+    def joined(self, other: "Expr") -> "Expr":
+        """`(other) & (this expression)`, over the names and tensors of both."""
+        return Expr(f"({other.text}) & ({self.text})", self._allowed | other._allowed, {**self._tensors, **other._tensors})
+
     # -- derivative ---------------------------------------------------------------------
     def derivative(self, name: str) -> "Expr":
         """d(expression) / d(name) as an expression of the same language (where the expression

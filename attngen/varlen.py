@@ -1,13 +1,14 @@
 """Packed sequences without padding: attngen.varlen_attention on (total_tokens, heads, head_dim)
 tensors with cumulative sequence lengths, the layout of FlashAttention's varlen API.
 
-The packed tokens run as one batch of one long sequence (a view, no copy) under the `sequences`
-mask (a query sees only its own sequence's keys) and the user's mask counted in each sequence's
-own positions (its `__local` form: q_idx, kv_idx, q_len and kv_len replaced by gathers from
-per-position tensors). So every kernel family, mask, top-k and dropout works unchanged, and only
-the tiles a sequence covers are visited. Nothing synchronises with the device: the per-position
-tensors come from cu_seqlens by device ops, and are kept (with the block classification they
-lead to) while the same cu_seqlens tensors are passed again, e.g. by every layer of a model.
+The packed tokens run as one batch of one long sequence (a view, no copy) under the
+`sequence_keys` mask (a query sees only its own sequence's keys) and the user's mask counted in
+each sequence's own positions (its `__local` form: q_idx, kv_idx, q_len and kv_len replaced by
+gathers from per-query tensors, which a kernel loads once per query tile). So every kernel family,
+mask, top-k and dropout works unchanged, and only the tiles a sequence covers are visited. Nothing
+synchronises with the device: the per-query tensors come from cu_seqlens by device ops, and are
+kept (with the block classification they lead to) while the same cu_seqlens tensors are passed
+again, e.g. by every layer of a model.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k has "
                          f"{cu_seqlens_k.numel() - 1}")
-    positions = _positions(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    positions = _positions(cu_seqlens_q, cu_seqlens_k, q.shape[0])
     m = _localized(mask, positions)
     packed = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)]  # (1, H, total, D) views
     result = attention(*packed, mask=m, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p)
@@ -62,31 +63,32 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     return result[0].permute(1, 0, 2)
 
 
-def _positions(cu_q, cu_k, total_q: int, total_k: int) -> dict:
-    """The sequence of every query and key position (padding: -1 and -2, which match nothing) and
-    the LOCAL_PARAMS tensors, computed on the device, kept per cu_seqlens tensors."""
+def _positions(cu_q, cu_k, total_q: int) -> dict:
+    """The LOCAL_PARAMS tensors, one value per query position (0 for the padding past
+    cu_seqlens_q[-1], whose sequence has no keys): computed on the device, kept per cu_seqlens tensors."""
     compiling = torch.compiler.is_compiling()  # a traced graph computes them every call
     if not compiling:
-        key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total_q, total_k)
+        key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total_q)
         hit = _DERIVED.get(key)
         if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
             return hit[2]
 
-    def side(cu, total, outside):
-        index = torch.arange(total, device=cu.device)
-        cu = cu.to(torch.int64)
-        seq = torch.searchsorted(cu, index, right=True) - 1
-        inside = (index < cu[-1]) & (seq >= 0)
-        seq = torch.where(inside, seq, outside)
-        start = torch.where(inside, cu.gather(0, seq.clamp(min=0)), 0)
-        length = torch.where(inside, cu.gather(0, (seq + 1).clamp(min=0, max=cu.numel() - 1)) - start, 0)
-        # int32: half the registers of int64 in the kernel's masked tiles
-        return seq.to(torch.int32), start.to(torch.int32), length.to(torch.int32)
+    index = torch.arange(total_q, device=cu_q.device)
+    starts_q = cu_q.to(torch.int64)
+    seq = torch.searchsorted(starts_q, index, right=True) - 1
+    inside = (index < starts_q[-1]) & (seq >= 0)
+    seq = seq.clamp(0, starts_q.numel() - 2)
 
-    q_seq, q_start, q_len = side(cu_q, total_q, -1)
-    kv_seq, kv_start, kv_len = side(cu_k, total_k, -2)
-    positions = dict(q_seq=q_seq, kv_seq=kv_seq, seq_q_start=q_start, seq_q_len=q_len, seq_kv_start=kv_start,
-                     seq_kv_len=kv_len)
+    def span(cu):
+        """Where each query's sequence starts in this packing, and its length there (int32: half
+        the registers of int64 in the kernel)."""
+        cu = cu.to(torch.int64)
+        start = cu.gather(0, seq)
+        length = cu.gather(0, seq + 1) - start
+        return torch.where(inside, start, 0).to(torch.int32), torch.where(inside, length, 0).to(torch.int32)
+
+    (q_start, q_len), (kv_start, kv_len) = span(starts_q), span(cu_k)
+    positions = dict(seq_q_start=q_start, seq_q_len=q_len, seq_kv_start=kv_start, seq_kv_len=kv_len)
     if not compiling:
         _DERIVED.put(key, (weakref.ref(cu_q), weakref.ref(cu_k), positions))
     return positions
@@ -110,11 +112,12 @@ def _localized(mask, positions: dict):
 
 
 def _localize(m, positions: dict):
-    """`sequences` & the mask with every term in its __local form."""
+    """The mask with every term in its __local form, which also hides the keys of other sequences;
+    a mask without a predicate term (None, score modifiers) gets SEQUENCE_KEYS for that."""
     local = {name: positions[name] for name in masks_.LOCAL_PARAMS}
-    out = masks_.mask("sequences", q_seq=positions["q_seq"], kv_seq=positions["kv_seq"])
+    keys = masks_.mask(masks_.SEQUENCE_KEYS, seq_kv_start=local["seq_kv_start"], seq_kv_len=local["seq_kv_len"])
     if m is None:
-        return out
+        return keys
     if isinstance(m, str) and torch.compiler.is_compiling():  # no template file may be read while dynamo traces
         if not m.isidentifier():
             raise ValueError(f"varlen_attention under torch.compile takes a template name or a mask object, not the "
@@ -130,4 +133,5 @@ def _localize(m, positions: dict):
         left, right = build(node[1]), build(node[2])
         return left & right if node[0] == "&" else left | right
 
-    return out & build(tree)
+    out = build(tree)
+    return out if out.tree is not None else keys & out

@@ -65,6 +65,9 @@ ZOO = {
     "block_sparse": _layout,
     "keep": _keep,
     "sequences": lambda b, h, sq, sk, dev: M("sequences", q_seq=doc_ids(1, sq, dev)[0], kv_seq=doc_ids(1, sk, dev)[0]),
+    "sequence_keys": lambda b, h, sq, sk, dev: M(  # query q sees keys 12 (q // 16) .. + 19 (past Sk: none)
+        "sequence_keys", seq_kv_start=torch.arange(sq, dtype=torch.int32, device=dev) // 16 * 12,
+        seq_kv_len=torch.full((sq,), 20, dtype=torch.int32, device=dev)),
     "bias": _bias,
     "block_sparse_shared": lambda b, h, sq, sk, dev: attngen.block_sparse(  # one (Sq blocks, Sk blocks) layout
         attngen.layouts.strided(sq, sk, (16, 16), local=2, stride=3, device=dev)[0, 0], (16, 16)),

@@ -12,11 +12,11 @@ from .binding import (Bound, bind, evaluate_visible, index_env, kernel_params, p
                       same_device, scalar_params, score_fn, triton_score_grads, triton_sources)
 from .blocks import EMPTY, FULL, PARTIAL, BlockStructure, block_structure
 from .objects import Mask, Term, TracedMask, as_mask, mask, parse_spec
-from .template_files import (LOCAL_PARAMS, LOCAL_SUFFIX, TEMPLATE_PATH_ENV, Param, Template, generation,
-                             get_template, register_template_dir, template_dirs, templates)
+from .template_files import (LOCAL_PARAMS, LOCAL_SUFFIX, SEQUENCE_KEYS, TEMPLATE_PATH_ENV, Param, Template,
+                             generation, get_template, register_template_dir, template_dirs, templates)
 
 __all__ = ["Bound", "bind", "evaluate_visible", "index_env", "kernel_params", "predicate_fn", "predicate_names",
            "same_device", "scalar_params", "score_fn", "triton_score_grads", "triton_sources", "EMPTY", "FULL",
            "PARTIAL", "BlockStructure", "block_structure", "Mask", "Term", "TracedMask", "as_mask", "mask", "parse_spec",
-           "LOCAL_PARAMS", "LOCAL_SUFFIX", "TEMPLATE_PATH_ENV", "Param", "Template", "generation", "get_template", "register_template_dir", "template_dirs",
+           "LOCAL_PARAMS", "LOCAL_SUFFIX", "SEQUENCE_KEYS", "TEMPLATE_PATH_ENV", "Param", "Template", "generation", "get_template", "register_template_dir", "template_dirs",
            "templates"]

@@ -399,19 +399,26 @@ def get_template(name: str) -> Template:
 
 # -- a template in the positions of one packed sequence (attngen.varlen_attention) -------------
 LOCAL_SUFFIX = "__local"  # `causal__local` is `causal` counted inside each sequence
-# the per-position tensors a local template takes: where each position's sequence starts, and its length
+SEQUENCE_KEYS = "sequence_keys"  # the template of a query's own sequence's keys, which a local mask also requires
+# The per-query tensors (shape (q_len,)) a local template takes: where the query's sequence starts
+# among the packed queries and among the packed keys, and its lengths there; each replaces an index
+# name. All are gathered at q_idx, so a query-tile kernel loads them once, outside its key loop
+# (gathers at kv_idx ran in every masked tile and made the sm_90 forward spill: docs/varlen.md).
 LOCAL_PARAMS = {
-    "seq_q_start": ("q_len", "q_idx - seq_q_start[q_idx]", "q_idx"),
-    "seq_q_len": ("q_len", "seq_q_len[q_idx]", "q_len"),
-    "seq_kv_start": ("kv_len", "kv_idx - seq_kv_start[kv_idx]", "kv_idx"),
-    "seq_kv_len": ("kv_len", "seq_kv_len[kv_idx]", "kv_len"),
+    "seq_q_start": ("q_idx", "q_idx - seq_q_start[q_idx]"),
+    "seq_q_len": ("q_len", "seq_q_len[q_idx]"),
+    "seq_kv_start": ("kv_idx", "kv_idx - seq_kv_start[q_idx]"),
+    "seq_kv_len": ("kv_len", "seq_kv_len[q_idx]"),
 }
 
 
 @dataclass(frozen=True)
 class LocalTemplate(Template):
     """`base` with q_idx, kv_idx, q_len and kv_len counted inside each packed sequence: the same
-    expression with those names replaced by gathers from the LOCAL_PARAMS tensors."""
+    expression with those names replaced by gathers from the LOCAL_PARAMS tensors (at q_idx). A
+    mask also hides the keys outside the query's sequence (SEQUENCE_KEYS, in the same term, so
+    that the kernel gathers each tensor once): kv_idx - seq_kv_start[q_idx] is then the position
+    of every key it shows. A score modifier is evaluated everywhere; only its visible scores count."""
 
     base: Template | None = None
 
@@ -419,8 +426,11 @@ class LocalTemplate(Template):
         key = tuple(sorted(static.items()))
         cache = _EXPR_CACHE.setdefault(self.path, {})
         if key not in cache:
-            cache[key] = self.base.expression(static).substitute(
-                {name: text for _, text, name in LOCAL_PARAMS.values()}, {name: 1 for name in LOCAL_PARAMS})
+            local = self.base.expression(static).substitute(dict(LOCAL_PARAMS.values()),
+                                                            {name: 1 for name in LOCAL_PARAMS})
+            if self.kind == "mask":
+                local = local.joined(get_template(SEQUENCE_KEYS).expression({}))
+            cache[key] = local
         return cache[key]
 
 
@@ -434,7 +444,8 @@ def local_template(base: Template) -> LocalTemplate:
                          "meaning inside each packed sequence; varlen_attention takes masks of positions (causal, "
                          "sliding_window, chunked, prefix_lm, softcap, alibi, ...)")
     params = dict(base.params)
-    for name, (length, _, _) in LOCAL_PARAMS.items():
-        params[name] = Param(name, "tensor", doc=f"per {length[:-4]} position: {name}", shape=(length,), dtype="int")
+    for name, (replaced, _) in LOCAL_PARAMS.items():
+        params[name] = Param(name, "tensor", doc=f"per query: gives {replaced} inside its sequence", shape=("q_len",),
+                             dtype="int")
     return LocalTemplate(base.name + LOCAL_SUFFIX, Path(f"{base.path}#local"), base.kind, base.doc, params,
                          base.expr_text, base.expr_line, None, base)

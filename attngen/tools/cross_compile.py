@@ -7,12 +7,18 @@ in a process of its own: the interpreter, once on, cannot compile.
     python -m attngen.tools.cross_compile topk BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
     python -m attngen.tools.cross_compile backward BLOCK_M BLOCK_N WARPS STAGES MASK DROPOUT(0/1)
     python -m attngen.tools.cross_compile decode BLOCK_M BLOCK_N WARPS STAGES MASK PAGED(0/1) GROUP SQ
+    python -m attngen.tools.cross_compile varlen MASK
 
-prints `ok <kernel name> <shared memory bytes> <registers> <spilled bytes>` for every launch of a top-k call (its threshold
-kernels), of a backward call at that `bwd` config (MASK: a spec, `none` for dense), or of a decode
-call split over the keys at that `decode` config (its split and combine kernels; a paged cache of
-16-row pages or a contiguous one; GROUP query heads per key/value head, SQ new tokens), built as for
-a CUDA tensor (B=1, H=2, Sq=Sk=64 for the backward, D=128, bf16).
+prints `ok <kernel name> <shared memory bytes> <registers> <spill bytes> <SASS instructions>` for
+every launch of a top-k call (its threshold kernels), of a backward call at that `bwd` config (MASK:
+a spec, `none` for dense), or of a decode call split over the keys at that `decode` config (its
+split and combine kernels; a paged cache of 16-row pages or a contiguous one; GROUP query heads per
+key/value head, SQ new tokens), built as for a CUDA tensor (B=1, H=2, Sq=Sk=64 for the backward,
+D=128, bf16). `varlen` compiles the forward,
+dK/dV and dQ launches of a varlen_attention call with MASK (a spec) and of the same packing as
+`document & MASK` on the packed view, at the sm_90 default configs, and prints
+`<varlen|document> <kernel name> <registers> <spill bytes> <SASS instructions>` for each (ptxas -v
+and cuobjdump from Triton's CUDA tools).
 """
 
 from __future__ import annotations
@@ -27,58 +33,45 @@ import torch  # noqa: E402
 
 def compile_launch(launch, arch: int = 90, **overrides):
     """Compile `launch` (attngen.kernels.launch.Launch) for CUDA compute capability `arch`; its
-    compile options with `overrides` applied. Returns the compiled kernel (metadata: name, shared;
-    asm: the ttgir, ptx, cubin). Every argument is specialised as a launch of these values would
-    specialise it (Triton's own rule: ints equal to 1 become constants, ints and pointers that are
-    multiples of 16 are marked so, unless the kernel says do_not_specialize), so the code is the
-    code a GPU would run: the CPU tensors' pointers stand in for the GPU's (both 16-byte aligned)."""
+    compile options with `overrides` applied, its arguments specialised as Triton's launcher
+    specialises a CUDA launch's (ints and pointers divisible by 16, ints equal to 1). Returns the
+    compiled kernel (metadata: name, shared; asm: ptx, cubin)."""
     import triton
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     kernel = launch.kernel
-    options = dict(launch.options, **overrides)
-    launch_options = {name: options.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in options}
-    params = {p.name: p for p in kernel.params}
-    signature, constants, attrs = {}, {}, {}
-    for name, value in zip(launch.names, launch.values):
-        p = params[name]
-        kind, spec = native_specialize_impl(CUDABackend, value, False, not p.do_not_specialize,
-                                            not p.do_not_specialize_on_alignment)
-        signature[name] = kind
-        if kind == "constexpr":
-            constants[(p.num,)] = spec
-        elif isinstance(spec, str):
-            attrs[(p.num,)] = CUDABackend.parse_attr(spec)
-    for name, value in options.items():
-        signature[name] = "constexpr"
-        constants[(params[name].num,)] = value
-    signature = {name: signature[name] for name in kernel.arg_names}
-    return triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options=launch_options)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    bind = create_function_from_signature(kernel.signature, kernel.params, backend)
+    args, specialization, options = bind(**dict(zip(launch.names, launch.values)), **dict(launch.options, **overrides))
+    options, signature, constexprs, attrs = kernel._pack_args(backend, options, args, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def ptxas_usage(compiled, arch: int = 90) -> tuple[int, int]:
-    """(registers per thread, spilled bytes stored) of a compiled kernel, from `ptxas -v` (Triton's
-    bundled ptxas) on its PTX: a kernel that spills in its main loop is slow on any GPU."""
+def usage(compiled) -> tuple[int, int, int]:
+    """(registers, spill bytes stored and loaded, SASS instructions) of a kernel compile_launch
+    compiled, from ptxas -v and cuobjdump -sass of Triton's CUDA tools."""
     import re
     import subprocess
     import tempfile
+    from pathlib import Path
 
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton import knobs
 
-    ptxas = get_ptxas(arch)
-    with tempfile.TemporaryDirectory() as folder:
-        ptx = os.path.join(folder, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        report = subprocess.run([getattr(ptxas, "path", ptxas), "-v", f"--gpu-name=sm_{arch}a", ptx, "-o",
-                                 os.path.join(folder, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    arch = compiled.metadata.target.arch
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(cubin)],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return registers, spills
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.MULTILINE))
+    return registers, int(stores) + int(loads), instructions
 
 
 def topk_launches(block_m: int, block_n: int, warps: int, stages: int, tma: bool, topk: int, kv_len: int):
@@ -122,7 +115,8 @@ def decode_launches(block_m: int, block_n: int, warps: int, stages: int, mask: s
     """The launches of a decode call split four ways at that `decode` config (B=2, 2 key/value heads,
     a 4096-key cache), as a CUDA launch would make them."""
     from ..config import KernelConfig
-    from ..kernels.decode import check_decode, decode_launches as launches
+    from ..kernels.decode import check_decode
+    from ..kernels.decode import decode_launches as launches
     from ..masks import bind, parse_spec
 
     config = KernelConfig(block_m, block_n, warps, stages)
@@ -137,6 +131,33 @@ def decode_launches(block_m: int, block_n: int, warps: int, stages: int, mask: s
     return launches(q, cache, cache, table, lens, q, None, bound, shape, layout, 128 ** -0.5, config, 4)
 
 
+def varlen_launches(mask: str) -> dict:
+    """{"varlen": launches, "document": launches}: the forward, dK/dV and dQ launches of a
+    varlen_attention call with `mask` on 1024 packed tokens in 5 sequences, and of attention() on
+    the same packing as `document & mask` (the same tiles), at the sm_90 default configs."""
+    from .. import masks as masks_
+    from ..checks import check_qkv
+    from ..config import default_config
+    from ..kernels.backward import backward_launches as bwd_launches
+    from ..kernels.forward import blocks, forward_launch
+    from ..varlen import _localize, _positions
+
+    lengths = torch.tensor([300, 200, 1, 475, 48])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    q = torch.zeros(1, 2, int(lengths.sum()), 128, dtype=torch.bfloat16)
+    shape = check_qkv(q, q, q, kernel=False)
+    lse = torch.zeros(1, 2, shape.q_len)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
+    fwd, bwd = default_config("fwd", "sm90", 128), default_config("bwd", "sm90", 128)
+    out = {}
+    for name, m in (("varlen", _localize(mask, _positions(cu, cu, shape.q_len))),
+                    ("document", masks_.mask("document", doc_ids=doc_ids) & masks_.parse_spec(mask))):
+        bound, structure = blocks(q, m, shape, fwd)
+        out[name] = [forward_launch(q, q, q, q, lse, None, bound, structure, shape, 128 ** -0.5, fwd, fwd.use_tma)]
+        out[name] += bwd_launches(q, q, q, q, lse, None, q, None, q, q, q, m, shape, 128 ** -0.5, bwd)[1:]
+    return out
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "topk" and len(argv) == 8:
         bm, bn, warps, stages, tma, topk, kv_len = (int(x) for x in argv[1:])
@@ -148,12 +169,18 @@ def main(argv: list[str]) -> int:
         bm, bn, warps, stages = (int(x) for x in argv[1:5])
         launches = [(launch, {}) for launch in decode_launches(bm, bn, warps, stages, argv[5], argv[6] == "1",
                                                                int(argv[7]), int(argv[8]))]
+    elif argv and argv[0] == "varlen" and len(argv) == 2:
+        for name, launches in varlen_launches(argv[1]).items():
+            for launch in launches:
+                compiled = compile_launch(launch)
+                print(name, compiled.metadata.name, *usage(compiled), flush=True)
+        return 0
     else:
         print(__doc__, file=sys.stderr)
         return 2
     for launch, options in launches:
         compiled = compile_launch(launch, **options)
-        print("ok", compiled.metadata.name, compiled.metadata.shared, *ptxas_usage(compiled), flush=True)
+        print("ok", compiled.metadata.name, compiled.metadata.shared, *usage(compiled), flush=True)
     return 0
 
 

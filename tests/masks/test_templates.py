@@ -66,7 +66,7 @@ def test_registered_folders_are_listed_and_restored(tmp_path):
 def test_every_builtin_template_has_a_doc_and_loads():
     builtin = templates_.template_dirs()[0]
     assert sorted(p.stem for p in builtin.glob("*.yaml")) == sorted(attngen.templates())
-    assert len(attngen.templates()) == 12
+    assert len(attngen.templates()) == 13
     for name, template in attngen.templates().items():
         assert template.doc, f"{name} has no doc"
         assert templates_.load_template(template.path).expr_text == template.expr_text
