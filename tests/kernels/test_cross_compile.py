@@ -50,7 +50,7 @@ def test_threshold_kernels_compile_for_hopper(tmp_path, config, topk_):
 
 
 def test_cross_compile_explains_itself(tmp_path):
-    result = cross_compile(tmp_path, "decode", 1)
+    result = cross_compile(tmp_path, "fused", 1)
     assert result.returncode == 2 and "python -m attngen.tools.cross_compile topk BLOCK_M" in result.stderr
 
 
@@ -71,3 +71,20 @@ def test_varlen_compiles_like_the_same_packing_as_a_document_mask(tmp_path):
         assert registers <= doc_registers + 8, (kernel, both)
         assert spills <= doc_spills + 64, (kernel, both)
         assert instructions <= 1.1 * doc_instructions, (kernel, both)
+
+
+@pytest.mark.parametrize("mask,paged,group,q_len", [("none", 1, 4, 1), ("none", 0, 1, 1),
+                                                    ("sliding_window(window=4096) & softcap(cap=30.0)", 1, 8, 4)],
+                         ids=["paged GQA", "contiguous MHA", "paged window softcap 4 tokens"])
+def test_decode_kernels_compile_for_hopper_without_spilling(tmp_path, mask, paged, group, q_len):
+    """The decode kernels at the sm_90 default config: they compile, and the split kernel keeps its
+    loop in registers (a memory-bound loop that spills reads local memory on top of the cache)."""
+    from attngen.config import default_config
+    config = default_config("decode", "sm90", 128)
+    result = cross_compile(tmp_path, "decode", config.block_m, config.block_n, config.num_warps, config.num_stages,
+                           mask, paged, group, q_len)
+    assert result.returncode == 0, result.stderr[-4000:]
+    usage = {line.split()[1]: [int(x) for x in line.split()[2:]] for line in result.stdout.splitlines()}
+    assert sorted(usage) == ["decode_combine", "decode_fwd"]
+    for kernel, (shared, registers, spills, instructions) in usage.items():
+        assert spills == 0 and registers <= 255 and shared + SM90_RESERVED <= SM90_SHARED, (kernel, usage[kernel])
