@@ -16,7 +16,7 @@ import attngen
 from attngen.checks import check_qkv
 from attngen.config import KernelConfig
 from attngen.kernels import forward, launch
-from attngen.kernels.launch import DirectLaunch, direct_launch
+from attngen.kernels.launch import DirectLaunch, direct_launch, direct_launches
 from helpers import assert_close, poisoned_like, rand_qkv
 from masks_zoo import doc_ids
 
@@ -104,7 +104,9 @@ def test_later_calls_launch_the_kept_kernel_with_tritons_arguments(fake_cuda):
     q = prepared.values[prepared.names.index("Q")]
     assert paths.take(*_tensors(q), 5) == "triton"
     q2, out2, lse2 = _tensors(q)
+    taken = direct_launches()
     assert paths.take(q2, out2, lse2, 7) == "direct"
+    assert direct_launches() == taken + 1
     (launched,) = paths.compiled.launches
     grid = (2, 2, 1)  # ceil(20 / 16) query blocks, B * H
     assert launched[:9] == (*grid, 1000, "function", "metadata", None, None, None)
@@ -224,10 +226,10 @@ def test_the_interpreter_keeps_nothing():
     if not launch.interpreter_on():
         pytest.skip("runs under Triton's interpreter")
     q, k, v = rand_qkv(1, 2, 2, 20, 30, 16, torch.float32)
-    taken = DirectLaunch.taken
+    taken = direct_launches()
     for _ in range(2):
         out = attngen.attention(q, k, v, mask="causal")
-    assert DirectLaunch.taken == taken
+    assert direct_launches() == taken
     assert_close(out, attngen.reference.attention(q, k, v, mask="causal"), torch.float32)
 
 
@@ -268,9 +270,9 @@ def test_direct_launch_gives_tritons_outputs(case, dtype):
         want = call()
         direct_launch(True)
         call()  # Triton's path, where the plan's runner keeps the compiled kernel
-        taken = DirectLaunch.taken
+        taken = direct_launches()
         got = call()
-        assert DirectLaunch.taken == taken + 1
+        assert direct_launches() == taken + 1
     finally:
         direct_launch(previous)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -289,11 +291,11 @@ def test_misaligned_views_take_tritons_path_and_stay_right():
         buffer = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
         q_misaligned = buffer[1:].view(q.shape)  # 2 bytes past a 16-byte boundary, same strides
         q_misaligned.copy_(q)
-        taken = DirectLaunch.taken
+        taken = direct_launches()
         got = attngen.attention(q_misaligned, k, v, mask="causal")
-        assert DirectLaunch.taken == taken
+        assert direct_launches() == taken
         attngen.attention(q, k, v, mask="causal")
-        assert DirectLaunch.taken == taken + 1  # aligned calls still go direct
+        assert direct_launches() == taken + 1  # aligned calls still go direct
     finally:
         direct_launch(previous)
     assert_close(got, attngen.reference.attention(q, k, v, mask="causal"), torch.bfloat16)
