@@ -20,10 +20,16 @@ import threading
 import warnings
 
 import torch
+import triton
 from triton import knobs
-from triton._C.libtriton import native_specialize_impl
 from triton.compiler import CompiledKernel, make_backend
-from triton.knobs import HookChain
+
+try:  # DirectLaunch follows triton 3.6's launch protocol; under other versions Triton launches everything
+    from triton._C.libtriton import native_specialize_impl
+    from triton.knobs import HookChain
+    TRITON_PROTOCOL = triton.__version__.split(".")[:2] == ["3", "6"]
+except ImportError:
+    TRITON_PROTOCOL = False
 
 from .. import masks as masks_
 from ..caches import BoundedCache
@@ -248,7 +254,8 @@ class Launch:
         base = [None if i in slots else value for i, value in enumerate(self.values)]
         launch, kernel, grid, arg_names = self._launch, self.kernel, self.grid, self.names
         variants = [self.options] if variants is None else variants
-        directs: list[DirectLaunch | None] | None = None if interpreter_on() else [None] * len(variants)
+        direct_ok = TRITON_PROTOCOL and not interpreter_on()
+        directs: list[DirectLaunch | None] | None = [None] * len(variants) if direct_ok else None
 
         def run(*values, variant=0):
             if directs is not None and _direct_launch:

@@ -221,6 +221,14 @@ def test_a_kept_launch_holds_no_calls_tensors(fake_cuda):
                              prepared.options) is None  # nothing compiled came back
 
 
+def test_other_triton_versions_take_tritons_path(fake_cuda, monkeypatch):
+    monkeypatch.setattr(launch, "TRITON_PROTOCOL", False)
+    prepared = _prepared()
+    paths = Paths(prepared)
+    q = prepared.values[prepared.names.index("Q")]
+    assert [paths.take(*_tensors(q), 5) for _ in range(3)] == ["triton"] * 3
+
+
 def test_the_interpreter_keeps_nothing():
     """Under Triton's interpreter the launches run as before; the direct path is CUDA's only."""
     if not launch.interpreter_on():
