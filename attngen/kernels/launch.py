@@ -23,6 +23,7 @@ import torch
 import triton
 from triton import knobs
 from triton.compiler import CompiledKernel, make_backend
+from triton.runtime import _allocation
 
 try:  # DirectLaunch follows triton 3.6's launch protocol; under other versions Triton launches everything
     from triton._C.libtriton import native_specialize_impl
@@ -140,8 +141,6 @@ def ensure_allocator():
     Triton keeps the allocator in a ContextVar, so every thread needs its own: set one where the
     current thread has none (never replacing an allocator the user set).
     """
-    from triton.runtime import _allocation
-
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         device = "cpu" if interpreter_on() else "cuda"
         _allocation.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
