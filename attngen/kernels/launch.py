@@ -18,19 +18,9 @@ import functools
 import os
 import threading
 import warnings
+from types import SimpleNamespace
 
 import torch
-import triton
-from triton import knobs
-from triton.compiler import CompiledKernel, make_backend
-from triton.runtime import _allocation
-
-try:  # DirectLaunch follows triton 3.6's launch protocol; under other versions Triton launches everything
-    from triton._C.libtriton import native_specialize_impl
-    from triton.knobs import HookChain
-    TRITON_PROTOCOL = triton.__version__.split(".")[:2] == ["3", "6"]
-except ImportError:
-    TRITON_PROTOCOL = False
 
 from .. import masks as masks_
 from ..caches import BoundedCache
@@ -141,6 +131,8 @@ def ensure_allocator():
     Triton keeps the allocator in a ContextVar, so every thread needs its own: set one where the
     current thread has none (never replacing an allocator the user set).
     """
+    from triton.runtime import _allocation
+
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         device = "cpu" if interpreter_on() else "cuda"
         _allocation.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
@@ -253,7 +245,7 @@ class Launch:
         base = [None if i in slots else value for i, value in enumerate(self.values)]
         launch, kernel, grid, arg_names = self._launch, self.kernel, self.grid, self.names
         variants = [self.options] if variants is None else variants
-        direct_ok = TRITON_PROTOCOL and not interpreter_on()
+        direct_ok = not interpreter_on() and triton_protocol() is not None
         directs: list[DirectLaunch | None] | None = [None] * len(variants) if direct_ok else None
 
         def run(*values, variant=0):
@@ -300,16 +292,36 @@ def direct_launches() -> int:
     return _direct_launches
 
 
-def _quiet(hook) -> bool:
-    return hook is None or (type(hook) is HookChain and not hook.calls)
+@functools.cache
+def triton_protocol() -> SimpleNamespace | None:
+    """What DirectLaunch uses of Triton, whose launch protocol it follows: triton 3.6's; None under
+    other versions, where every call launches through Triton. Imported by the first runner, not with
+    attngen (the command line sets TRITON_INTERPRET before Triton is imported)."""
+    import triton
+
+    try:
+        from triton import knobs
+        from triton._C.libtriton import native_specialize_impl
+        from triton.compiler import CompiledKernel, make_backend
+        from triton.knobs import HookChain
+    except ImportError:
+        return None
+    if triton.__version__.split(".")[:2] != ["3", "6"]:
+        return None
+    return SimpleNamespace(knobs=knobs, HookChain=HookChain, specialize=native_specialize_impl,
+                           CompiledKernel=CompiledKernel, make_backend=make_backend)
 
 
 def triton_is_plain(kernel) -> bool:
     """Nothing set in Triton that a launch of `kernel` must run or recompile for: launch hooks (a
     profiler's), pre-run hooks, debug mode, instrumentation."""
-    runtime = knobs.runtime
-    return (_quiet(runtime.launch_enter_hook) and _quiet(runtime.launch_exit_hook) and not runtime.debug
-            and not knobs.compilation.instrumentation_mode and not kernel.pre_run_hooks)
+    protocol = triton_protocol()
+    runtime, chain = protocol.knobs.runtime, protocol.HookChain
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return ((enter is None or (type(enter) is chain and not enter.calls))
+            and (exit_ is None or (type(exit_) is chain and not exit_.calls))
+            and not runtime.debug and not protocol.knobs.compilation.instrumentation_mode
+            and not kernel.pre_run_hooks)
 
 
 class DirectLaunch:
@@ -336,7 +348,7 @@ class DirectLaunch:
         self.metadata = compiled.packed_metadata
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.args, self.slots, self.tensors, self.ints = args, slots, tensors, ints
-        self.backend, self.device = backend, device
+        self.backend, self.device, self.specialize = backend, device, triton_protocol().specialize
         self.get_device, self.get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
 
     @classmethod
@@ -347,12 +359,13 @@ class DirectLaunch:
         call), or None where later calls could not skip Triton's path: no compiled kernel came
         back, the grid is a function of the arguments, a changing value is neither a tensor nor an
         int, or a changing tensor is misaligned."""
-        if not isinstance(compiled, CompiledKernel) or callable(grid) or not triton_is_plain(kernel):
+        protocol = triton_protocol()
+        if not isinstance(compiled, protocol.CompiledKernel) or callable(grid) or not triton_is_plain(kernel):
             return None
         changing = [args[slot] for slot in slots]
         if any(isinstance(value, torch.Tensor) and value.data_ptr() % 16 for value in changing):
             return None
-        backend = make_backend(compiled.metadata.target)  # the one Triton's binder specialises with
+        backend = protocol.make_backend(compiled.metadata.target)  # the one Triton's binder specialises with
         params = {p.name: p for p in kernel.params}
         tensors, ints = [], []
         for i, (name, value) in enumerate(zip((names[slot] for slot in slots), changing)):
@@ -361,7 +374,7 @@ class DirectLaunch:
                 tensors.append(i)
             elif type(value) is int and not param.annotation_type:
                 specialize, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
-                ints.append((i, specialize, align, native_specialize_impl(backend, value, False, specialize, align)))
+                ints.append((i, specialize, align, protocol.specialize(backend, value, False, specialize, align)))
             else:
                 return None
         # every argument in signature order, as JITFunction.run passes them: the run-time ones, then
@@ -381,7 +394,7 @@ class DirectLaunch:
         if bits % 16:
             return False
         for i, specialize, align, expected in self.ints:
-            if native_specialize_impl(self.backend, values[i], False, specialize, align) != expected:
+            if self.specialize(self.backend, values[i], False, specialize, align) != expected:
                 return False
         if not triton_is_plain(self.kernel):
             return False

@@ -222,7 +222,7 @@ def test_a_kept_launch_holds_no_calls_tensors(fake_cuda):
 
 
 def test_other_triton_versions_take_tritons_path(fake_cuda, monkeypatch):
-    monkeypatch.setattr(launch, "TRITON_PROTOCOL", False)
+    monkeypatch.setattr(launch, "triton_protocol", lambda: None)
     prepared = _prepared()
     paths = Paths(prepared)
     q = prepared.values[prepared.names.index("Q")]
