@@ -48,7 +48,7 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
             plans, mask_key = _plans, None if m is None else m.call_key
         else:
             plans = _tensor_plans
-            mask_key = (m.call_key, tuple((id(t), t._version) for t in m.spec_tensors))
+            mask_key = (m.call_key, tuple([(id(t), t._version) for t in m.spec_tensors]))
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p)
         plan = plans.get(key)

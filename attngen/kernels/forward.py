@@ -8,6 +8,7 @@ attngen.kernels.topk first.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -74,24 +75,28 @@ class Plan:
                  dropout_p: float = 0.0, tuning: TopkTuning = TopkTuning()):
         bound, structure = blocks(q, mask, shape, config)
         out, lse = _outputs(q, shape, return_lse)
-        self.shape, self.return_lse = shape, return_lse
+        # a call's LSE: torch.empty_strided with its arguments prepared costs half of torch.empty's host time
+        self.new_lse = None if lse is None else functools.partial(torch.empty_strided, lse.shape, lse.stride(),
+                                                                  dtype=lse.dtype, device=lse.device)
         self.thresholds = Thresholds(q, k, bound, structure, shape, scale, topk, config, tuning) if topk else None
         launch = forward_launch(q, k, v, out, lse, out if topk else None, bound, structure, shape, scale, config,
                                 False, dropout_p)
         self.dropout = dropout_p > 0
-        self._run = launch.runner("Q", "K", "V", "O", "LSE", "THR", "seed")
-        self.tma = None
-        if config.use_tma and tma_eligible(q, k, v):  # strides fit; base alignment is checked per call
-            self.tma = dict(launch.options, USE_TMA=True)
+        # variant 1 loads through tensor descriptors: where the strides fit, for calls whose base
+        # pointers are aligned too (checked per call)
+        self.tma = config.use_tma and tma_eligible(q, k, v)
+        variants = [launch.options, dict(launch.options, USE_TMA=True)] if self.tma else [launch.options]
+        self._run = launch.runner("Q", "K", "V", "O", "LSE", "THR", "seed", variants=variants)
 
     def run(self, q, k, v):
-        out, lse = _outputs(q, self.shape, self.return_lse)
+        out = torch.empty_like(q)
+        lse = self.new_lse() if self.new_lse is not None else None
         thr = self.thresholds.run(q, k) if self.thresholds is not None else out
-        options = None
-        if self.tma is not None and aligned(q, k, v):
-            options = self.tma
+        variant = 0
+        if self.tma and aligned(q, k, v):
+            variant = 1
             ensure_allocator()
-        self._run(q, k, v, out, out if lse is None else lse, thr, draw_seed() if self.dropout else 0, options=options)
+        self._run(q, k, v, out, out if lse is None else lse, thr, draw_seed() if self.dropout else 0, variant=variant)
         return out, lse
 
 

@@ -7,13 +7,18 @@
 - `Launch`: one kernel launch prepared once, every argument named and checked against the
   kernel's signature; a call passes only what changes (the tensors).
 - `launcher`: `kernel[grid]`, serialised under Triton's interpreter, which is not thread-safe.
+- `DirectLaunch`: on CUDA, a runner's later calls launch the kernel Triton compiled for its first
+  one straight through the kernel's launcher, without Triton's per-call argument binding and cache
+  lookup, while the call specialises as that one did (`direct_launch(False)` turns it off).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
+from types import SimpleNamespace
 
 import torch
 
@@ -226,18 +231,180 @@ class Launch:
             values = [changed.get(n, v) for n, v in zip(self.names, values)]
         self._launch(*values, **(self.options if options is None else options))
 
-    def runner(self, *names: str):
-        """A function run(*values, options=None) that launches with those arguments replaced, in the
-        order of `names`: the per-call path, without a dict per call. It keeps no reference to the
-        values of `names` this launch was built with (a cached plan holds no call's tensors)."""
+    def runner(self, *names: str, variants: list[dict] | None = None):
+        """A function run(*values, variant=0) that launches with those arguments replaced, in the
+        order of `names`, and the compile options `variants[variant]` (default: this launch's
+        options only): the per-call path, without a dict per call. It keeps no reference to the
+        values of `names` this launch was built with (a cached plan holds no call's tensors).
+
+        On CUDA the first launch of each variant keeps the kernel Triton compiled for it, and later
+        calls go straight to it (`DirectLaunch`) where they specialise as that first call did; the
+        values of `names` must keep their types and dtypes from call to call (a Plan's call
+        signature fixes them), only what Triton specialises within those is checked per call."""
         slots = [self.names.index(n) for n in names]
         base = [None if i in slots else value for i, value in enumerate(self.values)]
-        launch, default = self._launch, self.options
+        launch, kernel, grid, arg_names = self._launch, self.kernel, self.grid, self.names
+        variants = [self.options] if variants is None else variants
+        direct_ok = not interpreter_on() and triton_protocol() is not None
+        directs: list[DirectLaunch | None] | None = [None] * len(variants) if direct_ok else None
 
-        def run(*values, options=None):
+        def run(*values, variant=0):
+            if directs is not None and _direct_launch:
+                direct = directs[variant]
+                if direct is not None and direct(values):
+                    return
             args = list(base)
             for slot, value in zip(slots, values):
                 args[slot] = value
-            launch(*args, **(default if options is None else options))
+            options = variants[variant]
+            compiled = launch(*args, **options)
+            if directs is not None and _direct_launch and directs[variant] is None:
+                directs[variant] = DirectLaunch.keep(kernel, compiled, grid, arg_names, args, slots, options)
 
         return run
+
+
+# ---------------------------------------------------------------------------------------
+# the direct launch of a compiled kernel
+# ---------------------------------------------------------------------------------------
+_direct_launch = os.environ.get("ATTNGEN_DIRECT_LAUNCH", "1") != "0"  # direct_launch() sets it
+
+
+def direct_launch(enabled: bool | None = None) -> bool:
+    """Whether runners launch compiled kernels directly (`DirectLaunch`); `enabled` sets it, for
+    every runner at once (their next call), and the previous setting is returned. The environment
+    variable ATTNGEN_DIRECT_LAUNCH=0 starts a process with it off."""
+    global _direct_launch
+    previous = _direct_launch
+    if enabled is not None:
+        if type(enabled) is not bool:
+            raise TypeError(f"enabled must be True, False or None, got {enabled!r}")
+        _direct_launch = enabled
+    return previous
+
+
+_direct_launches = 0
+
+
+def direct_launches() -> int:
+    """How many launches went straight to a compiled kernel in this process (the tests check that
+    the direct path is taken)."""
+    return _direct_launches
+
+
+@functools.cache
+def triton_protocol() -> SimpleNamespace | None:
+    """What DirectLaunch uses of Triton, whose launch protocol it follows: triton 3.6's; None under
+    other versions, where every call launches through Triton. Imported by the first runner, not with
+    attngen (the command line sets TRITON_INTERPRET before Triton is imported)."""
+    import triton
+
+    try:
+        from triton import knobs
+        from triton._C.libtriton import native_specialize_impl
+        from triton.compiler import CompiledKernel, make_backend
+        from triton.knobs import HookChain
+    except ImportError:
+        return None
+    if triton.__version__.split(".")[:2] != ["3", "6"]:
+        return None
+    return SimpleNamespace(knobs=knobs, HookChain=HookChain, specialize=native_specialize_impl,
+                           CompiledKernel=CompiledKernel, make_backend=make_backend)
+
+
+def triton_is_plain(kernel) -> bool:
+    """Nothing set in Triton that a launch of `kernel` must run or recompile for: launch hooks (a
+    profiler's), pre-run hooks, debug mode, instrumentation."""
+    protocol = triton_protocol()
+    runtime, chain = protocol.knobs.runtime, protocol.HookChain
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return ((enter is None or (type(enter) is chain and not enter.calls))
+            and (exit_ is None or (type(exit_) is chain and not exit_.calls))
+            and not runtime.debug and not protocol.knobs.compilation.instrumentation_mode
+            and not kernel.pre_run_hooks)
+
+
+class DirectLaunch:
+    """A compiled kernel launched straight through its launcher: the last step of Triton's
+    JITFunction.run (triton 3.6, runtime/jit.py), `compiled.run(grid, stream, function, metadata,
+    hooks, *every argument in signature order, constexprs included)`, without the steps before it
+    (binding the arguments, their specialisation, the kernel cache's key and lookup).
+
+    A call may only go there if Triton would choose this same compiled kernel for it: `__call__`
+    checks, and says False for the caller to take Triton's own path, where
+    - a changing tensor is not 16-byte aligned (Triton specialises pointers on it; a kernel is
+      only kept from a call whose changing tensors all were),
+    - a changing int specialises otherwise (Triton's own rule, native_specialize_impl: the value 1,
+      multiples of 16, i32 or i64; `do_not_specialize` arguments only by width),
+    - the current CUDA device is another one, or Triton is not plain (`triton_is_plain`).
+    Nothing else can change between calls of a runner: its other arguments and options are fixed.
+    (JITFunction.run also checks that the globals the kernel read have not been reassigned since
+    it compiled; a rendered kernel module never reassigns its globals.)
+    """
+
+    def __init__(self, kernel, compiled, grid: tuple, args: list, slots: list[int], tensors: list[int],
+                 ints: list[tuple], backend, device: int):
+        self.kernel, self.run, self.function = kernel, compiled.run, compiled.function
+        self.metadata = compiled.packed_metadata
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.args, self.slots, self.tensors, self.ints = args, slots, tensors, ints
+        self.backend, self.device, self.specialize = backend, device, triton_protocol().specialize
+        self.get_device, self.get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
+
+    @classmethod
+    def keep(cls, kernel, compiled, grid: tuple, names: list[str], args: list, slots: list[int],
+             options: dict) -> "DirectLaunch | None":
+        """The direct launch of `compiled`, which kernel[grid](*args, **options) just returned (`names`:
+        the run-time argument names of `args`; `slots`: the positions in `args` that change per
+        call), or None where later calls could not skip Triton's path: no compiled kernel came
+        back, the grid is a function of the arguments, a changing value is neither a tensor nor an
+        int, or a changing tensor is misaligned."""
+        protocol = triton_protocol()
+        if not isinstance(compiled, protocol.CompiledKernel) or callable(grid) or not triton_is_plain(kernel):
+            return None
+        changing = [args[slot] for slot in slots]
+        if any(isinstance(value, torch.Tensor) and value.data_ptr() % 16 for value in changing):
+            return None
+        backend = protocol.make_backend(compiled.metadata.target)  # the one Triton's binder specialises with
+        params = {p.name: p for p in kernel.params}
+        tensors, ints = [], []
+        for i, (name, value) in enumerate(zip((names[slot] for slot in slots), changing)):
+            param = params[name]
+            if isinstance(value, torch.Tensor):
+                tensors.append(i)
+            elif type(value) is int and not param.annotation_type:
+                specialize, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
+                ints.append((i, specialize, align, protocol.specialize(backend, value, False, specialize, align)))
+            else:
+                return None
+        # every argument in signature order, as JITFunction.run passes them: the run-time ones, then
+        # constexprs from the options or their defaults
+        given = dict(zip(names, args), **options)
+        full = [given[n] if n in given else kernel.signature.parameters[n].default for n in kernel.arg_names]
+        positions = [kernel.arg_names.index(names[slot]) for slot in slots]
+        for i in positions:
+            full[i] = None  # it keeps no call's tensors
+        return cls(kernel, compiled, grid, full, positions, tensors, ints, backend, torch._C._cuda_getDevice())
+
+    def __call__(self, values) -> bool:
+        """Launch with `values` in the changing slots, if the call specialises as the kept one did."""
+        bits = 0
+        for i in self.tensors:
+            bits |= values[i].data_ptr()
+        if bits % 16:
+            return False
+        for i, specialize, align, expected in self.ints:
+            if self.specialize(self.backend, values[i], False, specialize, align) != expected:
+                return False
+        if not triton_is_plain(self.kernel):
+            return False
+        device = self.get_device()
+        if device != self.device:
+            return False
+        args = self.args.copy()
+        for slot, value in zip(self.slots, values):
+            args[slot] = value
+        self.run(*self.grid, self.get_stream(device), self.function, self.metadata, None, None, None, *args)
+        global _direct_launches
+        _direct_launches += 1  # a module global: a class attribute written per call would cost microseconds
+        return True
