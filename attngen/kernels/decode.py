@@ -16,6 +16,7 @@ config: the tests and the tuner).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -183,7 +184,7 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
     block_m, block_d = rows_tile(shape), block_d_for(shape.head_dim)
     split = splits > 1
     programs = shape.batch * shape.kv_heads
-    part_o, part_lse = scratch(q.device, programs, splits, block_m, block_d) if split else (out, out)
+    part_o, part_lse = [new() for new in scratch(q.device, programs, splits, block_m, block_d)] if split else (out, out)
     kp, ks, kh, kd = cache.row_strides(k_cache)
     vp, vs, vh, vd = cache.row_strides(v_cache)
     lse_strides = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1)) if lse is not None else \
@@ -211,10 +212,12 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
 
 
 def scratch(device, programs: int, splits: int, block_m: int, block_d: int):
-    """The split kernel's partial outputs and LSEs (fp32; every element is written before it is read)."""
-    part_o = torch.empty((programs * splits * block_m, block_d), dtype=torch.float32, device=device)
-    part_lse = torch.empty((programs * splits * block_m,), dtype=torch.float32, device=device)
-    return part_o, part_lse
+    """Functions that make the split kernel's partial outputs and LSEs (fp32; every element is
+    written before it is read), from prepared torch.empty_strided arguments (half of torch.empty's
+    host time)."""
+    rows = programs * splits * block_m
+    return (functools.partial(torch.empty_strided, (rows, block_d), (block_d, 1), dtype=torch.float32, device=device),
+            functools.partial(torch.empty_strided, (rows,), (1,), dtype=torch.float32, device=device))
 
 
 def _outputs(q, shape: Shape, return_lse: bool):
@@ -238,29 +241,32 @@ class DecodePlan:
                  return_lse: bool, config: KernelConfig, splits: int | None = None):
         bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=cache.capacity, kv_len=cache.capacity,
                             device=q.device)
-        self.shape, self.return_lse = shape, return_lse
         self.splits = splits or split_count(shape, cache, config, sm_count(q.device))
         self.full = full_lengths(shape, q.device) if seq_lens is None else None
         lens = self.full if seq_lens is None else seq_lens
         out, lse = _outputs(q, shape, return_lse)
         launches = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale,
                                    config, self.splits)
-        self.scratch = (q.device, shape.batch * shape.kv_heads, self.splits, rows_tile(shape),
-                        block_d_for(shape.head_dim))
+        # a call's tensors from prepared torch.empty_strided arguments (half of torch.empty's host time)
+        self.new_lse = None if lse is None else functools.partial(torch.empty_strided, lse.shape, lse.stride(),
+                                                                  dtype=lse.dtype, device=lse.device)
+        self.new_part_o, self.new_part_lse = scratch(q.device, shape.batch * shape.kv_heads, self.splits,
+                                                     rows_tile(shape), block_d_for(shape.head_dim))
         self._split = launches[0].runner("Q", "K", "V", "O", "LSE", "PART_O", "PART_LSE", "TABLE", "LENS")
         self._combine = launches[1].runner("PART_O", "PART_LSE", "O", "LSE") if len(launches) > 1 else None
         self.paged = cache.paged
 
     def run(self, q, k_cache, v_cache, block_table, seq_lens, out=None, lse=None):
         if out is None:
-            out, lse = _outputs(q, self.shape, self.return_lse)
+            out = torch.empty_like(q)
+            lse = self.new_lse() if self.new_lse is not None else None
         lens = self.full if seq_lens is None else seq_lens
         table = block_table if self.paged else lens
         lse_arg = out if lse is None else lse
         if self._combine is None:
             self._split(q, k_cache, v_cache, out, lse_arg, out, out, table, lens)
         else:
-            part_o, part_lse = scratch(*self.scratch)
+            part_o, part_lse = self.new_part_o(), self.new_part_lse()
             self._split(q, k_cache, v_cache, out, lse_arg, part_o, part_lse, table, lens)
             self._combine(part_o, part_lse, out, lse_arg)
         return out, lse

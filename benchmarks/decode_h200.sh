@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 25's GPU checks and figures on one H200, in one go (about 5 minutes), from the repository
+# root with attngen importable (PYTHONPATH=$PWD). Everything goes into OUT_DIR:
+#   tests.txt        the GPU tests of decoding (bf16 at a model shape, a decode step captured in a CUDA
+#                    graph and replayed on new tokens, lengths and block tables without recompiling),
+#                    of the direct launch (kernels/test_direct_launch.py), the forward kernels'
+#                    (kernels/test_gpu.py) and torch.compile / CUDA graphs (test_ops.py)
+#   decode.{txt,json}     attngen.decode against SDPA flash/efficient, FlexAttention (benchmarks/decode.py)
+#   host_time.{txt,json}  host time per call of attngen.attention and SDPA (benchmarks/host_time.py)
+# Usage: bash benchmarks/decode_h200.sh OUT_DIR
+set -uo pipefail
+out=${1:?usage: decode_h200.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, keep stdout+stderr in NAME.txt, time it
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "== $(date +%T) $name: $*" | tee -a "$out/times.txt"
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  echo "   $name: exit $?, $((SECONDS - start)) s" | tee -a "$out/times.txt"
+}
+
+step tests 200 bash -c "cd tests && $py -m pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml -n 3 \
+  kernels/test_decode.py kernels/test_direct_launch.py kernels/test_launch.py kernels/test_gpu.py test_ops.py"
+step decode 200 $py benchmarks/decode.py --out "$out"
+step host_time 90 env OUT="$out" $py benchmarks/host_time.py
+tail -n 3 "$out/tests.txt"
+tail -n 30 "$out/decode.txt"
+tail -n 15 "$out/host_time.txt"
