@@ -8,17 +8,8 @@
 # Usage: bash benchmarks/integrations_h200.sh OUT_DIR
 set -uo pipefail
 out=${1:?usage: integrations_h200.sh OUT_DIR}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
-
-step() {  # step NAME TIMEOUT_S COMMAND...: run, keep stdout+stderr in NAME.txt, time it
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  echo "== $(date +%T) $name: $*" | tee -a "$out/times.txt"
-  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
-  echo "   $name: exit $?, $((SECONDS - start)) s" | tee -a "$out/times.txt"
-}
+source "$(dirname "$0")/steps.sh"
+start "$out"
 
 step tests 240 bash -c "cd tests && $py -m pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml -n 3 \
   test_ops.py test_sdpa.py test_varlen.py integrations"

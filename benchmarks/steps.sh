@@ -1,0 +1,19 @@
+# Sourced by the *_h200.sh scripts: `start OUT_DIR` makes the folder and records the GPU;
+# `step NAME TIMEOUT_S COMMAND...` runs a command under a timeout, keeps its stdout and stderr in
+# OUT_DIR/NAME.txt, and appends its exit status and seconds to OUT_DIR/times.txt.
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+start() {
+  out=$1
+  mkdir -p "$out"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+}
+
+step() {
+  local name=$1 limit=$2 begin=$SECONDS
+  shift 2
+  echo "== $(date +%T) $name: $*" | tee -a "$out/times.txt"
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  echo "   $name: exit $?, $((SECONDS - begin)) s" | tee -a "$out/times.txt"
+}
