@@ -10,8 +10,9 @@ from . import masks as masks_
 from . import ops
 from .caches import BoundedCache
 from .checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
-from .families import BACKWARD, FORWARD
+from .families import BACKWARD, DECODE, FORWARD
 from .kernels.autograd import AttentionFunction, check_mask_grads, check_modifiers
+from .kernels.decode import ShortQueryPlan, takes_short_query
 from .kernels.forward import Plan, forward
 
 _plans = BoundedCache("api.plans", 4096)  # call signature -> Plan
@@ -57,17 +58,25 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
             if q.numel() == 0:  # nothing to compute (B, Hq or Sq is 0): no plan
                 return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
             generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
-            effective = check_topk(topk, shape.kv_len)
-            config = dispatch.choose_config(FORWARD, q, shape, m, effective).config
-            plan = plans.put(key, Plan(q, k, v, m, shape, check_scale(scale, shape.head_dim), effective, return_lse,
-                                       config, check_dropout(dropout_p)), generation)
+            plan = plans.put(key, _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p), generation)
         out, lse = plan.run(q, k, v)
         return (out, lse) if return_lse else out
     return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
 
 
+def _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p):
+    """The prepared launch of a call without gradients: the decode kernels for a short query
+    (kernels.decode.takes_short_query), the forward kernel otherwise."""
+    topk, dropout_p, scale = check_topk(topk, shape.kv_len), check_dropout(dropout_p), check_scale(scale, shape.head_dim)
+    if takes_short_query(shape, topk, dropout_p):
+        return ShortQueryPlan(q, k, v, m, shape, scale, return_lse, dispatch.choose_config(DECODE, q, shape, m).config)
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk).config
+    return Plan(q, k, v, m, shape, scale, topk, return_lse, config, dropout_p)
+
+
 def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
-    """Every call checked in full: autograd, empty outputs."""
+    """Every call checked in full: autograd, empty outputs (a call without gradients on tensors that
+    are not empty takes the fast path's plan)."""
     shape = check_qkv(q, k, v, kernel=True)
     topk = check_topk(topk, shape.kv_len)
     config = dispatch.choose_config(FORWARD, q, shape, m, topk).config

@@ -25,6 +25,7 @@ from .checks import check_qkv, check_topk, topk_pad
 from .config import KernelConfig, arch_of
 from .dtypes import NAMES as DTYPE_NAMES
 from .families import KernelFamily, family, query_rows
+from .kernels.decode import takes_short_query
 from .tuning import registry as registry_
 
 log = logging.getLogger("attngen")
@@ -143,10 +144,16 @@ def choose(q, k, v, mask=None, *, topk=None, kernel: str = "fwd") -> Choice:
 
 
 def explain(q, k, v, mask=None, *, topk=None) -> str:
-    """Says which config `attention(q, k, v, mask=mask, topk=topk)` would use, and why; for inputs
-    that require grad, the backward's too."""
+    """Says which kernel and config `attention(q, k, v, mask=mask, topk=topk)` would use, and why;
+    for inputs that require grad, the backward's too. A short query without gradients runs on the
+    decode kernels (attngen.kernels.decode.takes_short_query)."""
     lines = []
-    for kernel in ("fwd", "bwd") if (q.requires_grad or k.requires_grad or v.requires_grad) else ("fwd",):
+    kernels = ("fwd", "bwd") if (q.requires_grad or k.requires_grad or v.requires_grad) else ("fwd",)
+    if kernels == ("fwd",):
+        shape = check_qkv(q, k, v, kernel=True)
+        if takes_short_query(shape, check_topk(topk, shape.kv_len), 0.0):
+            kernels = ("decode",)
+    for kernel in kernels:
         choice = choose(q, k, v, mask, topk=topk, kernel=kernel)
         lines.append(f"{choice.kernel} kernel, variant {choice.variant}; {q.dtype}; config {choice.config}; "
                      f"from {choice.source}")

@@ -30,6 +30,7 @@ from .launch import Launch, dot_precision, mask_args, module_for, tensor_args
 
 TEMPLATE = "decode"  # templates/kernels/decode.py.jinja
 MAX_ROWS = 128  # query rows one key/value head packs into a tile: group * Sq
+SHORT_QUERY = 16  # attngen.attention runs a query of at most this many tokens through these kernels
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -170,6 +171,15 @@ def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> i
     return next(n for n, s in enumerate(share, 1) if s >= 0.85 * best)
 
 
+def takes_short_query(shape: Shape, topk: int, dropout_p: float) -> bool:
+    """Whether attngen.attention runs a call (that needs no gradients) through the decode kernels:
+    a query of at most SHORT_QUERY tokens whose rows fit a tile, without top-k or dropout. They read
+    K and V once per key/value head (the forward kernel: once per query head) and split the keys
+    over enough programs to fill the GPU (the forward kernel: one program per head for such a query)."""
+    return (0 < shape.q_len <= SHORT_QUERY and shape.group * shape.q_len <= MAX_ROWS and not topk
+            and not dropout_p)
+
+
 def rows_tile(shape: Shape) -> int:
     """BLOCK_M: the rows of a key/value head (group * Sq) as a power of two >= 16."""
     rows = shape.group * shape.q_len
@@ -177,9 +187,10 @@ def rows_tile(shape: Shape) -> int:
 
 
 def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape: Shape, cache: Cache,
-                    scale: float, config: KernelConfig, splits: int) -> list[Launch]:
+                    scale: float, config: KernelConfig, splits: int, from_end: bool = True) -> list[Launch]:
     """The launches of one call: the split kernel, and with splits > 1 the combine kernel; the
-    partial results go to scratch tensors made here (the plan makes its own per call)."""
+    partial results go to scratch tensors made here (the plan makes its own per call). `from_end`:
+    attngen.decode's positions (the new tokens at the sequence's end), else attngen.attention's."""
     module = module_for(TEMPLATE, bound.mask if bound is not None else None)
     block_m, block_d = rows_tile(shape), block_d_for(shape.head_dim)
     split = splits > 1
@@ -199,7 +210,7 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
                 sm_scale=scale, **mask_args(bound))
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=config.block_n,
                    PAGED=cache.paged, SPLIT=split, STORE_LSE=lse is not None, DOT_PRECISION=dot_precision(q.dtype),
-                   num_warps=config.num_warps, num_stages=config.num_stages)
+                   FROM_END=from_end, num_warps=config.num_warps, num_stages=config.num_stages)
     launches = [Launch(module.decode_fwd, (splits, programs), args, options)]
     if split:
         combine = dict(PART_O=part_o, PART_LSE=part_lse, **tensor_args("o", out, "bhmd"),
@@ -235,18 +246,19 @@ def full_lengths(shape: Shape, device) -> torch.Tensor:
 class DecodePlan:
     """Everything of a decode call but the tensors, prepared once per call signature: shapes, strides,
     dtypes, device, layout, mask (with its scalars and tensors), scale, return_lse. A call passes q,
-    the caches, the block table and the lengths; new lengths or a new block table never rebuild it."""
+    the caches, the block table and the lengths; new lengths or a new block table never rebuild it.
+    `from_end` False: an attngen.attention call's positions (and mask sizes), not decode's."""
 
     def __init__(self, q, k_cache, v_cache, block_table, seq_lens, mask, shape: Shape, cache: Cache, scale: float,
-                 return_lse: bool, config: KernelConfig, splits: int | None = None):
-        bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=cache.capacity, kv_len=cache.capacity,
-                            device=q.device)
+                 return_lse: bool, config: KernelConfig, splits: int | None = None, from_end: bool = True):
+        bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads,
+                            q_len=cache.capacity if from_end else shape.q_len, kv_len=cache.capacity, device=q.device)
         self.splits = splits or split_count(shape, cache, config, sm_count(q.device))
         self.full = full_lengths(shape, q.device) if seq_lens is None else None
         lens = self.full if seq_lens is None else seq_lens
         out, lse = _outputs(q, shape, return_lse)
         launches = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale,
-                                   config, self.splits)
+                                   config, self.splits, from_end)
         # a call's tensors from prepared torch.empty_strided arguments (half of torch.empty's host time)
         self.new_lse = None if lse is None else functools.partial(torch.empty_strided, lse.shape, lse.stride(),
                                                                   dtype=lse.dtype, device=lse.device)
@@ -270,6 +282,18 @@ class DecodePlan:
             self._split(q, k_cache, v_cache, out, lse_arg, part_o, part_lse, table, lens)
             self._combine(part_o, part_lse, out, lse_arg)
         return out, lse
+
+
+class ShortQueryPlan:
+    """An attngen.attention call with a short query (takes_short_query) on the decode kernels: k and
+    v are a full contiguous cache, the positions and mask sizes attention's. Runs like forward.Plan."""
+
+    def __init__(self, q, k, v, mask, shape: Shape, scale: float, return_lse: bool, config: KernelConfig):
+        cache = Cache(False, shape.kv_len, shape.batch, shape.kv_len)
+        self.plan = DecodePlan(q, k, v, None, None, mask, shape, cache, scale, return_lse, config, from_end=False)
+
+    def run(self, q, k, v):
+        return self.plan.run(q, k, v, None, None)
 
 
 def decode_forward(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask=None, scale=None, return_lse=False,

@@ -262,3 +262,43 @@ def test_a_decode_step_captured_in_a_cuda_graph():
         assert_close(out, attngen.reference.decode(q, pool_k, pool_v, lens, block_table=table, mask="causal"),
                      torch.float16)
     assert sum(len(c[0]) for c in module.decode_fwd.device_caches.values()) == compiled
+
+
+# ---------------------------------------------------------------------------------------------
+# attngen.attention with a short query runs on the decode kernels
+@pytest.mark.parametrize("name", list(ZOO))
+def test_short_attention_queries_take_the_decode_kernels(name, monkeypatch):
+    """attention() of 3 query tokens without gradients: the decode kernels, with attention's own
+    positions (q_idx from 0, top-left unless the mask says otherwise) and mask sizes, equal to the
+    reference; the explanation names the decode kernel."""
+    built = []
+    real = decode_kernels.ShortQueryPlan
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attngen.api, "ShortQueryPlan", counting)
+    attngen.api._plans.clear()  # no plan from an earlier test of the same signature
+    attngen.api._tensor_plans.clear()
+    g = torch.Generator().manual_seed(len(name) + 1)
+    q, k, v, _ = make_case(2, 4, 2, 3, 45, torch.float32, [45, 45], g)
+    mask = ZOO[name](2, 4, 3, 45, DEVICE)
+    out, lse = attngen.attention(q, k, v, mask=mask, return_lse=True)
+    ref, ref_lse = attngen.reference.attention(q, k, v, mask=mask, return_lse=True)
+    assert_close(out, ref, q.dtype, lse, ref_lse)
+    assert built == [1]
+    assert attngen.explain(q, k, v, mask=mask).startswith("decode kernel, variant ")
+
+
+def test_which_attention_calls_take_the_decode_kernels():
+    """A short query (<= 16 tokens, group * Sq <= 128 rows) without top-k, dropout or gradients."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, _ = make_case(1, 4, 2, 16, 40, torch.float32, [40], g)
+    assert attngen.explain(q, k, v).startswith("decode kernel")
+    assert attngen.explain(torch.cat([q, q[:, :, :1]], 2), k, v).startswith("fwd kernel")  # 17 tokens
+    assert attngen.explain(q, k, v, topk=4).startswith("fwd kernel")
+    assert attngen.explain(q.clone().requires_grad_(), k, v).startswith("fwd kernel")
+    assert decode_kernels.takes_short_query(Shape(1, 4, 2, 16, 40, 16), 0, 0.0)
+    assert not decode_kernels.takes_short_query(Shape(1, 4, 2, 16, 40, 16), 0, 0.1)  # dropout
+    assert not decode_kernels.takes_short_query(Shape(1, 128, 1, 2, 40, 16), 0, 0.0)  # 256 rows
