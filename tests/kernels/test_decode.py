@@ -302,3 +302,70 @@ def test_which_attention_calls_take_the_decode_kernels():
     assert decode_kernels.takes_short_query(Shape(1, 4, 2, 16, 40, 16), 0, 0.0)
     assert not decode_kernels.takes_short_query(Shape(1, 4, 2, 16, 40, 16), 0, 0.1)  # dropout
     assert not decode_kernels.takes_short_query(Shape(1, 128, 1, 2, 40, 16), 0, 0.0)  # 256 rows
+
+
+# ---------------------------------------------------------------------------------------------
+# a seeded fuzz of attngen.decode
+FUZZ_MASKS = ["none", "causal", "sliding_window", "alibi", "softcap", "document", "key_padding&causal",
+              "chunked&causal&softcap"]
+INVALID = {"length past the cache": r"seq_lens\[\d\] = \d+ must be between", "length under Sq": r"seq_lens\[\d\] = ",
+           "page outside the cache": r"block_table\[\d, 0\] = \d+ is not a page", "head dims differ": "head dims differ"}
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_fuzz(chunk):
+    """60 random calls (shapes, GQA groups, 1-5 new tokens, head dims that are no power of two,
+    contiguous caches read through a (B, S, Hkv, D) transpose or paged ones of odd page sizes,
+    ragged lengths, masks, scale, return_lse), one in five made invalid on purpose: each either
+    matches the float64 reference or raises a ValueError naming what is wrong."""
+    import random
+
+    for index in range(chunk * 30, chunk * 30 + 30):
+        rng = random.Random(1000 + index)
+        g = torch.Generator().manual_seed(index)
+        batch, kv_heads, group = rng.randint(1, 3), rng.randint(1, 3), rng.choice([1, 2, 4])
+        q_len, head_dim = rng.randint(1, 5), rng.choice([8, 16, 24])
+        dtype = rng.choice([torch.float32, torch.float16])
+        page = rng.choice([1, 3, 8, 16])
+        per_seq = rng.randint(1, 6) if page > 1 else rng.randint(5, 30)
+        capacity = page * per_seq
+        q_len = min(q_len, capacity)
+        lens = [rng.randint(q_len, capacity) for _ in range(batch)]
+        q, k, v, lens_t = make_case(batch, kv_heads * group, kv_heads, q_len, capacity, dtype, lens, g, head_dim)
+        table = None
+        if rng.random() < 0.5:
+            k, v, table = paged(k, v, lens_t, g, page)
+        elif rng.random() < 0.5:  # a (B, S, Hkv, D) cache read in place
+            k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+        size = table.shape[1] * page if table is not None else capacity
+        name = rng.choice(FUZZ_MASKS)
+        mask = ZOO[name](batch, kv_heads * group, size, size, DEVICE)
+        kwargs = dict(mask=mask, scale=rng.choice([None, 0.05, 1.3]), return_lse=rng.random() < 0.5)
+        invalid = rng.choice(list(INVALID)) if rng.random() < 0.2 else None
+        if invalid == "length past the cache":
+            lens_t[rng.randrange(batch)] = size + rng.randint(1, 5)
+        elif invalid == "length under Sq":
+            lens_t[rng.randrange(batch)] = q_len - 1
+        elif invalid == "page outside the cache":
+            if table is None:
+                invalid = None
+            else:
+                table[rng.randrange(batch), 0] = k.shape[0] + rng.randint(0, 3)
+        elif invalid == "head dims differ":
+            q = q[..., :-1]
+        what = f"case {index}: B {batch} Hkv {kv_heads} group {group} Sq {q_len} D {head_dim} {dtype} " \
+               f"{'paged' if table is not None else 'contiguous'} page {page} lens {lens_t.tolist()} mask {name} " \
+               f"{kwargs} invalid {invalid}"
+        if invalid is not None:
+            with pytest.raises(ValueError, match=INVALID[invalid]):
+                attngen.decode(q, k, v, lens_t, block_table=table, **kwargs)
+            continue
+        got = attngen.decode(q, k, v, lens_t, block_table=table, **kwargs)
+        ref = attngen.reference.decode(q, k, v, lens_t, block_table=table, **kwargs)
+        try:
+            if kwargs["return_lse"]:
+                assert_close(got[0], ref[0], dtype, got[1], ref[1])
+            else:
+                assert_close(got, ref, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"{what}: {e}") from None
