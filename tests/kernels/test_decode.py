@@ -89,11 +89,13 @@ def test_every_mask(name, layout):
     run_checked(q, k, v, lens, table, mask=mask, splits=3)
 
 
-def test_paged_is_bit_identical_to_contiguous():
-    """One computation whatever the layout: the same keys through a block table give the same bits."""
+@pytest.mark.parametrize("page", [PAGE, 16], ids=["rows look up their pages", "a tile is one page"])
+def test_paged_is_bit_identical_to_contiguous(page):
+    """One computation whatever the layout: the same keys through a block table give the same bits,
+    whether each row reads its page number (pages smaller than a tile) or the tile is one page."""
     g = torch.Generator().manual_seed(5)
-    q, k, v, lens = make_case(3, 4, 2, 1, 5 * PAGE, torch.float16, [40, 1, 23], g)
-    pool_k, pool_v, table = paged(k, v, lens, g)
+    q, k, v, lens = make_case(3, 4, 2, 1, 5 * 16, torch.float16, [80, 1, 23], g)
+    pool_k, pool_v, table = paged(k, v, lens, g, page)
     for splits in (1, 4):
         contiguous = decode_forward(q, k, v, lens, config=CONFIG, splits=splits)[0]
         through_pages = decode_forward(q, pool_k, pool_v, lens, block_table=table, config=CONFIG, splits=splits)[0]
