@@ -70,7 +70,7 @@ def _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p):
     topk, dropout_p, scale = check_topk(topk, shape.kv_len), check_dropout(dropout_p), check_scale(scale, shape.head_dim)
     if takes_short_query(shape, topk, dropout_p):
         return ShortQueryPlan(q, k, v, m, shape, scale, return_lse, dispatch.choose_config(DECODE, q, shape, m).config)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk).config
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
     return Plan(q, k, v, m, shape, scale, topk, return_lse, config, dropout_p)
 
 
@@ -79,14 +79,14 @@ def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
     are not empty takes the fast path's plan)."""
     shape = check_qkv(q, k, v, kernel=True)
     topk = check_topk(topk, shape.kv_len)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk).config
     scale = check_scale(scale, shape.head_dim)
     dropout_p = check_dropout(dropout_p)
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
     seed = draw_seed() if dropout_p > 0 else 0
     if grad:
         check_mask_grads(m)
         check_modifiers(m)
-        bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk).config
+        bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
         out, lse = AttentionFunction.apply(q, k, v, m, shape, scale, topk, config, bwd_config, dropout_p, seed)
     else:
         out, lse, _ = forward(q, k, v, m, shape, scale, topk, return_lse, config, dropout_p=dropout_p, seed=seed)

@@ -104,14 +104,17 @@ def registry_for(gpu: str) -> registry_.Registry:
     return reg
 
 
-def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mask | None, topk: int = 0) -> Choice:
-    """The config `family` runs a call with (checked inputs; topk as check_topk returns it)."""
+def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mask | None, topk: int = 0,
+                  dropout: bool = False) -> Choice:
+    """The config `family` runs a call with (checked inputs; topk as check_topk returns it; dropout:
+    whether the call drops weights, which some tiles cannot afford the registers for)."""
     bucket = registry_.seq_bucket(shape.kv_len)
     rows = min(query_rows(shape.q_len), 1 << 20)
     group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
     batch = family.batch_bucket(shape.batch)
+    dropout = dropout and not topk  # top-k runs every kernel at the forward's tiles: nothing to adapt
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
-                 mask.key if mask is not None else None, rows, topk_pad(topk), batch)
+                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout)
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
@@ -130,6 +133,10 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     config, note = family.fit(config, shape.q_len)
     if note:
         source += f"; {note}"
+    if dropout:
+        config, note = family.fit_dropout(config)
+        if note:
+            source += f"; {note}"
     choice = _choices.put(cache_key, Choice(config, source, variant, family.name), generation)
     log.debug("attngen: %s %s %s d%d s%d (bucket %d) group %d -> %s (%s)", family.name, variant, key.dtype,
               shape.head_dim, shape.kv_len, bucket, group, config, source)

@@ -37,6 +37,8 @@ class KernelFamily:
     reference: Callable  # (*inputs, mask, *, topk) -> [the outputs in float64, attngen.reference]
     flops: Callable  # (mask, batch, heads, q_len, kv_len, head_dim, device) -> FLOPs of one run
     fit: Callable  # (config, q_len) -> (config, note): the chosen config adapted to one call's shape
+    # (config) -> (config, note): the config adapted to a call with dropout (without top-k)
+    fit_dropout: Callable = lambda config: (config, "")
     query_len: int | None = None  # the tuner's query length: None for Sq = Sk, else this many new tokens
     per_batch: bool = False  # registry entries per batch bucket (else one entry serves every batch)
 
@@ -73,6 +75,14 @@ def _forward_fit(config: KernelConfig, q_len: int) -> tuple[KernelConfig, str]:
     return config, ""
 
 
+def _forward_fit_dropout(config: KernelConfig) -> tuple[KernelConfig, str]:
+    """Dropout's random bits need registers: a 128-row tile on 4 warps spills them (sm_90, D 128:
+    1200 bytes a thread; on 8 warps none; attngen.tools.cross_compile), so it takes 8 warps."""
+    if config.block_m >= 128 and config.num_warps < 8:
+        return replace(config, num_warps=8), "8 warps under dropout (4 spill its random bits)"
+    return config, ""
+
+
 FORWARD = KernelFamily(
     name="fwd",
     doc="forward attention (FlashAttention-2 online softmax), top-k softmax included",
@@ -85,6 +95,7 @@ FORWARD = KernelFamily(
     reference=_forward_reference,
     flops=attention_flops,
     fit=_forward_fit,
+    fit_dropout=_forward_fit_dropout,
 )
 
 
@@ -111,6 +122,14 @@ def _backward_flops(mask, batch, heads, q_len, kv_len, head_dim, device) -> int:
     return int(attention_flops(mask, batch, heads, q_len, kv_len, head_dim, device) * (1 + BWD_FACTOR))
 
 
+def _backward_fit_dropout(config: KernelConfig) -> tuple[KernelConfig, str]:
+    """Under dropout the dK/dV kernel of a 64 x 128 tile spills (sm_90, D 128, 8 warps: 764 bytes a
+    thread; at 32 x 128, 40; attngen.tools.cross_compile): query blocks of 32 rows."""
+    if config.block_m >= 64 and config.block_n >= 128:
+        return replace(config, block_m=32), "block_m 32 under dropout (64 spills its random bits)"
+    return config, ""
+
+
 BACKWARD = KernelFamily(
     name="bwd",
     doc="backward attention (dQ, dK, dV; FlashAttention-2 structure, deterministic)",
@@ -123,6 +142,7 @@ BACKWARD = KernelFamily(
     reference=_backward_reference,
     flops=_backward_flops,
     fit=lambda config, q_len: (config, ""),
+    fit_dropout=_backward_fit_dropout,
 )
 
 

@@ -47,7 +47,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: str, mask_tensors: list[
     """(output, lse, top-k thresholds: empty without top-k) of attngen.attention."""
     m, shape, scale, topk = _checked(q, k, v, mask, mask_tensors, scale, topk)
     dropout_p = check_dropout(dropout_p)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk).config
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
     out, lse, thr = forward(q, k, v, m, shape, scale, topk, True, config, dropout_p=dropout_p, seed=_seed(seed))
     return out, lse, thr if thr is not None else q.new_empty(0, dtype=torch.float32)
 
@@ -67,10 +67,11 @@ def attention_backward_op(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Te
     """(dq, dk, dv) of attngen::attention from its saved outputs."""
     m, shape, scale, topk = _checked(q, k, v, mask, mask_tensors, scale, topk)
     check_modifiers(m)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk).config
-    bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk).config
+    dropout_p = check_dropout(dropout_p)
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
+    bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
     return backward(q, k, v, out, lse, thr if topk else None, dout, dlse, m, shape, scale, bwd_config, config,
-                    check_dropout(dropout_p), _seed(seed))
+                    dropout_p, _seed(seed))
 
 
 @attention_backward_op.register_fake

@@ -11,7 +11,7 @@ from attngen.config import KernelConfig, arch_of, default_entry
 from attngen.families import FAMILIES
 from attngen.kernels.forward import attention_forward
 from attngen.tuning import registry
-from helpers import DEVICE, assert_close, rand_qkv
+from helpers import DEVICE, TOLERANCE, assert_close, rand_qkv, rel_error
 
 
 def entry(seq_bucket, config, variant="none", kernel="fwd", head_dim=32):
@@ -179,3 +179,36 @@ def test_plans_are_cached_per_call_signature(tmp_path, clean_dispatch):
     assert len(api._plans) == 3
     dispatch.use_registry(tmp_path)  # another registry may choose other configs: the plans go
     assert len(api._plans) == 0
+
+
+def test_dropout_calls_take_tiles_that_do_not_spill(tmp_path, clean_dispatch):
+    """Dropout's random bits need registers: the forward's 128-row tiles run on 8 warps and the
+    backward's 64 x 128 tiles on 32-row query blocks (both spill on sm_90 otherwise); top-k calls
+    keep their tiles. The call runs with the adapted configs and stays right."""
+    fwd, bwd = KernelConfig(128, 16, 4, 1), KernelConfig(64, 128, 4, 1)
+    write(tmp_path, entry(256, fwd), entry(256, bwd, kernel="bwd"))
+    dispatch.use_registry(tmp_path)
+    q = torch.randn(1, 2, 200, 32, device=DEVICE).half()
+    shape = attngen.checks.check_qkv(q, q, q, kernel=True)
+    plain = dispatch.choose_config(FAMILIES["fwd"], q, shape, None)
+    dropped = dispatch.choose_config(FAMILIES["fwd"], q, shape, None, dropout=True)
+    assert plain.config == fwd and dropped.config == KernelConfig(128, 16, 8, 1)
+    assert dropped.source.endswith("; 8 warps under dropout (4 spill its random bits)")
+    backward = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, dropout=True)
+    assert backward.config == KernelConfig(32, 128, 4, 1) and "block_m 32 under dropout" in backward.source
+    assert dispatch.choose_config(FAMILIES["fwd"], q, shape, None, topk=8, dropout=True).config.num_warps == 4
+    assert FAMILIES["fwd"].fit_dropout(KernelConfig(64, 64, 4, 2)) == (KernelConfig(64, 64, 4, 2), "")
+    assert FAMILIES["bwd"].fit_dropout(KernelConfig(32, 128, 8, 3)) == (KernelConfig(32, 128, 8, 3), "")
+    # a training call at those configs: output and gradients against float64 autograd with its mask
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 200, 200, 32, torch.float16))
+    state = torch.get_rng_state()
+    out = attngen.attention(q, k, v, dropout_p=0.2)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.set_rng_state(state)
+    keep = attngen.dropout_mask(q, k, 0.2)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attngen.reference.attention(q64, k64, v64, dropout_p=0.2, dropout_mask=keep)
+    assert_close(out, ref, torch.float16)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q64, k64, v64), dout.double())):
+        assert rel_error(got, want) <= 2 * TOLERANCE[torch.float16]
