@@ -4,6 +4,8 @@ efficient backends, FlexAttention and, where its wheel is installed, FlashInfer'
     python benchmarks/decode.py --out DIR [--cases 1x65536,8x8192,64x2048] [--page 16]
 
 Shapes: bf16, Hq 32, Hkv 8, D 128, one new token per sequence, every sequence full (B x S keys).
+`attngen.attention` is the same call through attngen.attention (a short query runs on the decode
+kernels; before 2026-12-03 it ran the forward kernel: 201, 1380 and 260 µs on the three cases).
 Every method's output is first compared with attngen.reference.decode (float64); then each is
 timed with triton.testing.do_bench medians. K+V bytes per call exceed the L2 (every shape here
 reads 256 MiB), so the inputs are not rotated. GB/s counts the K+V bytes a call must read; the
@@ -78,6 +80,7 @@ def methods(q, k, v, lens, pool_k, pool_v, table, page):
         out["flashinfer_paged"] = lambda: wrapper.run(q_flat, (pool_k, pool_v)).view(q.shape)
     except Exception as e:  # noqa: BLE001 - not installed on the GPU machine, most likely
         out["flashinfer_paged"] = f"{type(e).__name__}: {str(e)[:80]}"
+    out["attngen.attention"] = lambda: attngen.attention(q, k, v)  # a short query: the decode kernels too
     out["attngen"] = lambda: attngen.decode(q, k, v, lens, validate=False)
     out["attngen_paged"] = lambda: attngen.decode(q, pool_k, pool_v, lens, block_table=table, validate=False)
     return out
