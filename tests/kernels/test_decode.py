@@ -102,6 +102,22 @@ def test_paged_is_bit_identical_to_contiguous(page):
         assert torch.equal(contiguous, through_pages)
 
 
+def test_pages_in_other_layouts_are_read_in_place():
+    """An HND pool (num_pages, Hkv, page_size, D), passed as its (num_pages, page_size, Hkv, D)
+    transpose, and K and V as two views of one (2, num_pages, ...) tensor (vLLM's kv_cache) give the
+    bits of the NHD pool: the cache's strides are read, nothing is copied."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v, lens = make_case(2, 4, 2, 1, 4 * PAGE, torch.float32, [32, 13], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    expected = decode_forward(q, pool_k, pool_v, lens, block_table=table, config=CONFIG, splits=2)[0]
+    hnd_k, hnd_v = (x.transpose(1, 2).contiguous() for x in (pool_k, pool_v))
+    got = decode_forward(q, hnd_k.transpose(1, 2), hnd_v.transpose(1, 2), lens, block_table=table, config=CONFIG,
+                         splits=2)[0]
+    assert torch.equal(got, expected)
+    kv = torch.stack([pool_k, pool_v])
+    assert torch.equal(decode_forward(q, kv[0], kv[1], lens, block_table=table, config=CONFIG, splits=2)[0], expected)
+
+
 @pytest.mark.parametrize("page", [1, 3, 16, 64])
 def test_page_sizes(page):
     """Pages smaller than a tile, of an odd size, of a tile, and larger than a tile."""
