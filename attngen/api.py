@@ -45,11 +45,8 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
         # fast path: one prepared launch per call signature; a mask's tensors are part of it (by
         # identity and version: the plan holds them, so an id is not reused while it lives), in a
         # smaller cache, as a new tensor per call (an SDPA mask) would fill it with dead plans
-        if m is None or not m.has_tensors:
-            plans, mask_key = _plans, None if m is None else m.call_key
-        else:
-            plans = _tensor_plans
-            mask_key = (m.call_key, tuple([(id(t), t._version) for t in m.spec_tensors]))
+        plans = _plans if m is None or not m.has_tensors else _tensor_plans
+        mask_key = None if m is None else m.plan_key()
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p)
         plan = plans.get(key)

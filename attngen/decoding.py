@@ -50,22 +50,20 @@ def decode(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask=None, s
             t is None or isinstance(t, torch.Tensor) for t in (seq_lens, block_table)):
         # a plan per call signature; the index tensors' values change freely, their layout is part of it
         index = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in (seq_lens, block_table))
-        mask_key = None if m is None else (
-            m.call_key, tuple((id(t), t._version) for t in m.spec_tensors) if m.has_tensors else None)
+        mask_key = None if m is None else m.plan_key()
         key = (q.shape, k_cache.shape, v_cache.shape, q.stride(), k_cache.stride(), v_cache.stride(), q.dtype,
                k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device, index, mask_key, scale,
                return_lse)
     plan = _plans.get(key) if key is not None else None
-    if plan is None or validate:
+    if plan is None:
         shape, cache = check_decode(q, k_cache, v_cache, seq_lens, block_table)
-        if validate and seq_lens is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            validate_values(seq_lens, block_table, shape, cache)
-        if plan is None:
-            generation = _plans.generation
-            config = dispatch.choose_config(DECODE, q, shape, m).config
-            plan = DecodePlan(q, k_cache, v_cache, block_table, seq_lens, m, shape, cache,
-                              check_scale(scale, shape.head_dim), return_lse, config)
-            if key is not None:
-                plan = _plans.put(key, plan, generation)
+        generation = _plans.generation
+        config = dispatch.choose_config(DECODE, q, shape, m).config
+        plan = DecodePlan(q, k_cache, v_cache, block_table, seq_lens, m, shape, cache,
+                          check_scale(scale, shape.head_dim), return_lse, config)
+        if key is not None:
+            plan = _plans.put(key, plan, generation)
+    if validate and seq_lens is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        validate_values(seq_lens, block_table, plan.shape, plan.cache)  # the plan's key fixes both
     out, lse = plan.run(q, k_cache, v_cache, block_table, seq_lens)
     return (out, lse) if return_lse else out

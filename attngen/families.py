@@ -146,7 +146,6 @@ BACKWARD = KernelFamily(
 )
 
 
-
 # ---------------------------------------------------------------------------------------
 # decode: split-KV attention of new tokens over a KV cache; the tuner runs a full contiguous cache
 # ---------------------------------------------------------------------------------------

@@ -265,16 +265,16 @@ class DecodePlan:
                                                                   dtype=lse.dtype, device=lse.device)
         self.new_part_o, self.new_part_lse = scratch(q.device, shape.batch * shape.kv_heads, self.splits,
                                                      rows_tile(shape), block_d_for(shape.head_dim))
+        self.shape, self.cache = shape, cache
         self._split = launches[0].runner("Q", "K", "V", "O", "LSE", "PART_O", "PART_LSE", "TABLE", "LENS")
         self._combine = launches[1].runner("PART_O", "PART_LSE", "O", "LSE") if len(launches) > 1 else None
-        self.paged = cache.paged
 
     def run(self, q, k_cache, v_cache, block_table, seq_lens, out=None, lse=None):
         if out is None:
             out = torch.empty_like(q)
             lse = self.new_lse() if self.new_lse is not None else None
         lens = self.full if seq_lens is None else seq_lens
-        table = block_table if self.paged else lens
+        table = block_table if self.cache.paged else lens
         lse_arg = out if lse is None else lse
         if self._combine is None:
             self._split(q, k_cache, v_cache, out, lse_arg, out, out, table, lens)

@@ -80,6 +80,13 @@ class Mask:
         self.spec = self._text(lambda term: _spec_call(term.template.name, term.values.items(), tensors))
         self.spec_tensors = tuple(tensors)
 
+    def plan_key(self):
+        """call_key plus each tensor's identity and in-place version: a prepared launch that holds
+        the tensors (so their ids are not reused while it lives) is keyed by it."""
+        if not self.has_tensors:
+            return self.call_key
+        return self.call_key, tuple([(id(t), t._version) for t in self.spec_tensors])
+
     @staticmethod
     def _structure(node):
         if is_term(node):
