@@ -23,7 +23,9 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" 
 def rand_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, device=DEVICE, generator=None):
     """Fresh random q, k, v (never zeros)."""
     def make(h, s):
-        return torch.randn(batch, h, s, head_dim, dtype=torch.float32, device=device, generator=generator).to(dtype)
+        # drawn where the generator lives (a seeded CPU generator gives the same values on every device)
+        where = generator.device if generator is not None else device
+        return torch.randn(batch, h, s, head_dim, dtype=torch.float32, device=where, generator=generator).to(device, dtype)
     return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
 
 

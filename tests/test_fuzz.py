@@ -370,11 +370,14 @@ def run_case(case: Case, outcomes: collections.Counter) -> list[str]:
         dout = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(case.index)).to(case.q.device)
         got_grads = torch.autograd.grad(got[0], (q, k, v), dout.to(case.q.dtype), allow_unused=True)
         want_grads = torch.autograd.grad(want[0], ref_inputs, dout.double(), allow_unused=True)
-        # a gradient can cancel to ~0 (v's rows all equal: dq = dk = 0), where rounding noise is all
-        # there is: errors are relative to at least a tenth of its size without cancellation
+        # a gradient can cancel to ~0 (v's rows all equal, or one key: dq = dk = 0), where rounding
+        # noise is all there is: errors are relative to at least a tenth of its size without
+        # cancellation, in which dropout's 1 / (1 - p) scales dP (and its noise)
         scale = check_scale(case.kwargs.get("scale"), case.q.shape[-1])
+        kept = 1.0 / (1.0 - case.kwargs.get("dropout_p", 0.0))
         size = [r.detach().abs().max().item() if r.numel() else 0.0 for r in ref_inputs]
-        floors = [0.1 * dout.norm().item() * f for f in (scale * size[2] * size[1], scale * size[2] * size[0], 1.0)]
+        floors = [0.1 * dout.norm().item() * f
+                  for f in (kept * scale * size[2] * size[1], kept * scale * size[2] * size[0], 1.0)]
         for name, g, w, t, r, floor in zip(("dq", "dk", "dv"), got_grads, want_grads, (q, k, v), ref_inputs, floors):
             g = torch.zeros_like(t) if g is None else g
             w = torch.zeros_like(r) if w is None else w

@@ -194,9 +194,9 @@ def _case():
 
 BAD = {
     "length under Sq": (lambda c: attngen.decode(c["q"].expand(2, 4, 2, 16), c["k"], c["v"],
-                                                 torch.tensor([32, 1], dtype=torch.int32)),
+                                                 torch.tensor([32, 1], dtype=torch.int32, device=DEVICE)),
                         ValueError, r"seq_lens\[1\] = 1 must be between the 2 new tokens .* capacity 32"),
-    "length past the cache": (lambda c: attngen.decode(c["q"], c["k"], c["v"], torch.tensor([33, 4], dtype=torch.int32)),
+    "length past the cache": (lambda c: attngen.decode(c["q"], c["k"], c["v"], torch.tensor([33, 4], dtype=torch.int32, device=DEVICE)),
                               ValueError, r"seq_lens\[0\] = 33 must be between the 1 new tokens .* capacity 32"),
     "page outside the cache": (lambda c: attngen.decode(c["q"], c["pool_k"], c["pool_v"], c["lens"],
                                                         block_table=c["table"].masked_fill(c["table"] == c["table"][1, 0], 99)),

@@ -59,7 +59,7 @@ def _backward(q, k, v, mask):
 
 
 def _decode(q, k, v, mask):
-    lens = torch.tensor([k.shape[2] - 7], dtype=torch.int32)  # a cache not full
+    lens = torch.tensor([k.shape[2] - 7], dtype=torch.int32, device=k.device)  # a cache not full
     out = attngen.decode(q, k, v, lens, mask=mask)
     ref = attngen.reference.decode(q, k, v, lens, mask=mask)
     assert not torch.isnan(out).any() and rel_error(out, ref) <= TOLERANCE[q.dtype]
