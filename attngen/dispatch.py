@@ -113,8 +113,9 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
     batch = family.batch_bucket(shape.batch)
     dropout = dropout and not topk  # top-k runs every kernel at the forward's tiles: nothing to adapt
+    table = family.table(shape, q.device)
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
-                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout)
+                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout, table)
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
@@ -128,7 +129,7 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
         entry, reason = found
         config, source = entry.kernel_config(), f"registry: {reason}"
     else:
-        config, row = family.default(arch_of(q.device), shape.head_dim)
+        config, row = family.default(arch_of(q.device), shape.head_dim, table)
         source = f"no registry entry for {gpu}; {row}"
     config, note = family.fit(config, shape.q_len)
     if note:

@@ -19,6 +19,7 @@ from .checks import check_qkv, check_scale, check_topk
 from .config import KernelConfig, arch_of, default_config, default_entry
 from .kernels.backward import backward
 from .kernels.decode import decode_forward
+from .kernels.decode import default_table as decode_default_table
 from .kernels.forward import attention_forward, forward
 from .tools.timing import BWD_FACTOR, attention_flops
 from .tuning import registry as registry_
@@ -41,14 +42,21 @@ class KernelFamily:
     fit_dropout: Callable = lambda config: (config, "")
     query_len: int | None = None  # the tuner's query length: None for Sq = Sk, else this many new tokens
     per_batch: bool = False  # registry entries per batch bucket (else one entry serves every batch)
+    # (shape, device) -> the attngen.config.DEFAULTS key of a call's fallback config (None: the name)
+    default_table: Callable | None = None
 
     def batch_bucket(self, batch: int) -> int:
         """The registry key's batch bucket of a call: 0 (any) unless the family tunes per batch."""
         return registry_.batch_bucket(batch) if self.per_batch and batch > 0 else 0
 
-    def default(self, arch: str, head_dim: int) -> tuple[KernelConfig, str]:
-        """The fallback config where the registry has none, and where it comes from."""
-        return default_entry(self.name, arch, head_dim)
+    def table(self, shape, device) -> str:
+        """The DEFAULTS key of a call's fallback config."""
+        return self.default_table(shape, device) if self.default_table is not None else self.name
+
+    def default(self, arch: str, head_dim: int, table: str | None = None) -> tuple[KernelConfig, str]:
+        """The fallback config where the registry has none (from DEFAULTS[table], by default the
+        family's own), and where it comes from."""
+        return default_entry(table or self.name, arch, head_dim)
 
 
 def query_rows(q_len: int) -> int:
@@ -171,6 +179,7 @@ DECODE = KernelFamily(
     fit=lambda config, q_len: (config, ""),
     query_len=1,
     per_batch=True,
+    default_table=decode_default_table,
 )
 
 FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (FORWARD, BACKWARD, DECODE)}

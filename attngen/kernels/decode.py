@@ -155,6 +155,17 @@ def sm_count(device: torch.device) -> int:
     return count
 
 
+def pairs_fill(shape: Shape, sms: int) -> bool:
+    """Whether a call's (sequence, key/value head) pairs alone fill 80% of two program slots per SM:
+    such calls are never split, and take the "decode_full" defaults (attngen.config.DEFAULTS)."""
+    return shape.batch * shape.kv_heads >= 0.8 * 2 * sms
+
+
+def default_table(shape: Shape, device: torch.device) -> str:
+    """The DEFAULTS key of a decode call's fallback config: "decode_full" or "decode" (split)."""
+    return "decode_full" if pairs_fill(shape, sm_count(device)) else "decode"
+
+
 def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> int:
     """The split rule: how many programs share each (sequence, key/value head)'s keys. Programs fill
     two slots per SM; a split count n is worth its (B * Hkv * n) programs' share of full waves, and
@@ -164,7 +175,7 @@ def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> i
     of its own sequence's length (in the kernel), so lengths that change never change the grid."""
     programs, slots = shape.batch * shape.kv_heads, 2 * sms
     most = max(1, math.ceil(cache.capacity / max(config.block_m, config.block_n)))
-    if programs >= 0.8 * slots or most == 1:
+    if pairs_fill(shape, sms) or most == 1:
         return 1
     share = [programs * n / (math.ceil(programs * n / slots) * slots) for n in range(1, most + 1)]
     best = max(share)

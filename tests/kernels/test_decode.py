@@ -2,6 +2,8 @@
 fresh random inputs, ragged lengths (1 and lengths that are no multiple of a page or a tile),
 GQA, several new tokens, every mask, poisoned outputs; the errors of bad caches, tables and lengths."""
 
+import math
+
 import pytest
 import torch
 
@@ -169,6 +171,22 @@ def test_split_rule():
     assert splits(1, 8, 1024) == 4  # 1024 keys: four splits of 256 at most
     assert splits(1, 8, 100) == 1
     assert splits(1, 1, 65536, block_m=4096) == 14  # at most 16 splits of 4096 keys
+
+
+def test_untuned_calls_take_the_split_or_the_full_defaults(clean_dispatch, tmp_path):
+    """With no registry entry, a decode call whose (sequence, head) pairs fill the GPU takes
+    DEFAULTS["decode_full"], a split one DEFAULTS["decode"] (sm_count: 4 under the interpreter, so
+    8 program slots; the GPU's own count on CUDA), and explain/choose says which row it was."""
+    from attngen.config import DEFAULTS, arch_of
+    clean_dispatch.use_registry(tmp_path)  # empty: every call falls back
+    sms = decode_kernels.sm_count(torch.device(DEVICE))
+    full_batch = math.ceil(0.8 * sms)  # with 2 key/value heads: 80% of the 2 * sms slots
+    for batch, table in ((1, "decode"), (full_batch, "decode_full")):
+        q = torch.randn(batch, 4, 1, 64, device=DEVICE)
+        k = torch.randn(batch, 2, 300, 64, device=DEVICE)
+        choice = attngen.dispatch.choose(q, k, k, kernel="decode")
+        want = dict(DEFAULTS[table][arch_of(q.device)])[256 if arch_of(q.device) == "interpreter" else 128]
+        assert choice.config == want and f"default {table} config" in choice.source, (batch, choice)
 
 
 def test_bad_values_never_read_outside_the_cache():

@@ -1,0 +1,118 @@
+"""Decode kernel configs on one GPU, swept by hand: what each tile, warp, stage and split choice costs
+for a contiguous and a paged cache, to set the decode family's defaults and search space from
+measurements.
+
+    python benchmarks/decode_configs.py --out DIR [--cases 1x65536,8x8192,64x2048] [--page 16] [--budget 240]
+
+Shapes as benchmarks/decode.py (bf16, Hq 32, Hkv 8, D 128, one new token, every sequence full). For
+each case and layout, every config of the grid (block_n x num_warps x num_stages, at the split count
+the split rule gives, then the best config again at other split counts) is first checked against
+attngen.reference.decode (float64; a relative error over 2e-2 is reported and not timed), then
+timed with triton.testing.do_bench medians. Stops starting new configs after --budget seconds.
+Writes decode_configs.json into --out after each case and prints the best five per case and
+layout, and the split rule's default config, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+import attngen
+from attngen.config import DEFAULTS, KernelConfig
+from attngen.kernels.decode import DecodePlan, check_decode, sm_count, split_count
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import D, HKV, HQ, paged_copy  # noqa: E402 - the same shapes and page pools
+
+GRID = dict(block_n=[16, 32, 64, 128], num_warps=[2, 4, 8], num_stages=[2, 3, 4])
+
+
+def run_config(q, k, v, lens, table, config: KernelConfig, splits: int | None):
+    """A function of no arguments running one decode call at `config` (and `splits`)."""
+    shape, cache = check_decode(q, k, v, lens, table)
+    plan = DecodePlan(q, k, v, table, lens, None, shape, cache, D ** -0.5, False, config, splits=splits)
+    return plan, (lambda: plan.run(q, k, v, table, lens)[0])
+
+
+def measure(fn, ref) -> dict:
+    try:
+        got = fn().float()
+        err = float((got - ref).norm() / ref.norm())
+        if not err < 2e-2:
+            return dict(error=f"relative error {err:.2e} against the float64 reference")
+        return dict(ms=triton.testing.do_bench(fn, return_mode="median"), error_vs_ref=err)
+    except Exception as e:  # noqa: BLE001 - a config that does not compile or launch is reported
+        return dict(error=f"{type(e).__name__}: {str(e)[:160]}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", default="1x65536,8x8192,64x2048", help="BxS list")
+    parser.add_argument("--page", type=int, default=16, help="rows per page of the paged cache (default 16)")
+    parser.add_argument("--budget", type=float, default=240.0, help="seconds after which no new config starts")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    begin = time.perf_counter()
+    results = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
+                   torch=torch.__version__, triton=triton.__version__, page=args.page,
+                   shape=dict(heads=HQ, kv_heads=HKV, head_dim=D, q_len=1, dtype="bf16"), cases=[])
+    grid = [KernelConfig(256, n, w, s) for n, w, s in itertools.product(*GRID.values())]
+    for case in args.cases.split(","):
+        batch, length = (int(x) for x in case.split("x"))
+        q = torch.randn(batch, HQ, 1, D, generator=g).to(torch.bfloat16).to(device)
+        k = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
+        v = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
+        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        pool_k, pool_v, table = paged_copy(k, v, args.page, g)
+        ref = attngen.reference.decode(q, k, v, lens).float()
+        kv_bytes = 2 * k.numel() * k.element_size()
+        entry = dict(batch=batch, length=length, kv_bytes=kv_bytes, layouts={})
+        results["cases"].append(entry)
+        for layout, (kc, vc, tb) in (("contiguous", (k, v, None)), ("paged", (pool_k, pool_v, table))):
+            rows = entry["layouts"][layout] = []
+            for config in grid:
+                if time.perf_counter() - begin > args.budget:
+                    break
+                plan, fn = run_config(q, kc, vc, lens, tb, config, None)
+                rows.append(dict(config=str(config), block_n=config.block_n, num_warps=config.num_warps,
+                                 num_stages=config.num_stages, splits=plan.splits, **measure(fn, ref)))
+            timed = [r for r in rows if "ms" in r]
+            if timed and time.perf_counter() - begin <= args.budget:
+                best = min(timed, key=lambda r: r["ms"])
+                config = KernelConfig(256, best["block_n"], best["num_warps"], best["num_stages"])
+                for splits in sorted({max(1, best["splits"] // 2), best["splits"] * 2, best["splits"] * 4} - {best["splits"]}):
+                    _, fn = run_config(q, kc, vc, lens, tb, config, splits)
+                    rows.append(dict(config=str(config), block_n=config.block_n, num_warps=config.num_warps,
+                                     num_stages=config.num_stages, splits=splits, **measure(fn, ref)))
+            for r in rows:
+                if "ms" in r:
+                    r["gbs"] = kv_bytes / r["ms"] / 1e6
+        (args.out / "decode_configs.json").write_text(json.dumps(results, indent=1))
+    print(f"decode configs, {results['gpu']}, torch {results['torch']}, triton {results['triton']}, "
+          f"bf16 Hq {HQ} Hkv {HKV} D {D}, page {args.page}; µs (median), GB/s of K+V")
+    for entry in results["cases"]:
+        for layout, rows in entry["layouts"].items():
+            timed = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+            failed = [r for r in rows if "error" in r]
+            print(f"B{entry['batch']} S{entry['length']} {layout}: {len(timed)} timed, {len(failed)} failed"
+                  + (f" (first: {failed[0]['config']}: {failed[0]['error'][:80]})" if failed else ""))
+            for r in timed[:5]:
+                print(f"   {r['config']:<60} splits {r['splits']:>3}  {r['ms'] * 1e3:7.1f} µs  {r['gbs']:5.0f} GB/s")
+    print(f"the untuned defaults (attngen.config.DEFAULTS['decode']): {DEFAULTS['decode']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
