@@ -1,7 +1,7 @@
 """Decoding on one GPU: attngen.decode (contiguous and paged caches) against SDPA's flash and
 efficient backends, FlexAttention and, where its wheel is installed, FlashInfer's decode kernels.
 
-    python benchmarks/decode.py --out DIR [--cases 1x65536,8x8192,64x2048] [--page 16]
+    python benchmarks/decode.py --out DIR [--cases 1x65536,8x8192,64x2048] [--page 16] [--profile]
 
 Shapes: bf16, Hq 32, Hkv 8, D 128, one new token per sequence, every sequence full (B x S keys).
 `attngen.attention` is the same call through attngen.attention (a short query runs on the decode
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 
 import attngen
+from attngen.tools.timing import kernel_times
 
 HQ, HKV, D = 32, 8, 128
 
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", default="1x65536,8x8192,64x2048", help="BxS list")
     parser.add_argument("--page", type=int, default=16, help="rows per page of the paged cache (default 16)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the GPU time of each kernel of SDPA flash and attngen (torch.profiler) "
+                             "next to the do_bench time, per case")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     results = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
                    torch=torch.__version__, triton=triton.__version__, attngen=attngen.__version__,
                    shape=dict(heads=HQ, kv_heads=HKV, head_dim=D, q_len=1, dtype="bf16"), cases=[])
-    rows = []
+    rows, profiles = [], []
     for case in args.cases.split(","):
         batch, length = (int(x) for x in case.split("x"))
         q = torch.randn(batch, HQ, 1, D, generator=g).to(torch.bfloat16).to(device)
@@ -168,6 +172,17 @@ def main(argv=None) -> int:
             shape, cache = check_decode(q, k, v, lens, None)
             entry["attngen_config"] = f"{choice.config} splits {split_count(shape, cache, choice.config, sm_count(device))}"
             entry["attngen_source"] = choice.source
+        if args.profile:
+            entry["kernels_us"] = {}
+            fns = methods(q, k, v, lens, pool_k, pool_v, table, args.page)
+            for name in ("sdpa_flash", "attngen", "attngen_paged"):
+                if "ms" in entry["methods"].get(name, {}):
+                    kernels = {key: ms * 1e3 for key, ms in kernel_times(fns[name]).items()}
+                    entry["kernels_us"][name] = kernels
+                    profiles.append(f"B{batch} S{length} {name}: do_bench {entry['methods'][name]['ms'] * 1e3:.1f} µs, "
+                                    f"kernels {sum(kernels.values()):.1f} µs: "
+                                    + ", ".join(f"{key[:40]} {us:.1f}" for key, us in
+                                                sorted(kernels.items(), key=lambda kv: -kv[1])))
         results["cases"].append(entry)
         (args.out / "decode.json").write_text(json.dumps(results, indent=1))
     results["host_us"] = host_time(device)
@@ -179,6 +194,8 @@ def main(argv=None) -> int:
     for case in results["cases"]:
         if "attngen_config" in case:
             print(f"B{case['batch']} S{case['length']}: attngen {case['attngen_config']} ({case['attngen_source']})")
+    for line in profiles:
+        print(line)
     print("host µs per call (B1, 256 keys): " + ", ".join(f"{k} {v:.1f}" for k, v in results["host_us"].items()))
     return 0
 

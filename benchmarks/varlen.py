@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 
 import attngen
+from attngen.tools.timing import kernel_times
 
 
 def lengths(total: int, docs: int, seed: int = 0) -> list[int]:
@@ -40,9 +41,6 @@ def profile(fns: dict, q, k, v, cu, lens, device):
     packing written as a document mask on (1, H, total, D), and plain causal over all of it."""
     import time
 
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
     document = attngen.mask("document", doc_ids=doc) & attngen.mask("causal")
     packed = [x.transpose(0, 1)[None] for x in (q, k, v)]
@@ -53,16 +51,7 @@ def profile(fns: dict, q, k, v, cu, lens, device):
                attngen_causal_all=lambda q, k, v: attngen.attention(*contiguous, mask="causal"),
                attngen_sequences_and_global_causal=lambda q, k, v: attngen.attention(*packed, mask=sequences))
     for name, fn in fns.items():
-        fn(q, k, v)
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn(q, k, v)
-            torch.cuda.synchronize()
-        kernels = {}
-        for e in prof.key_averages():
-            if e.device_time_total > 0 and e.device_type.name == "CUDA":
-                kernels[e.key] = e.device_time_total / 5 / 1e3
+        kernels = kernel_times(lambda: fn(q, k, v), calls=5)
         start = time.perf_counter()
         for _ in range(20):
             fn(q, k, v)

@@ -71,3 +71,18 @@ class Rotation:
         args = self.sets[self.i % len(self.sets)]
         self.i += 1
         return self.fn(*args)
+
+
+def kernel_times(fn, calls: int = 20) -> dict[str, float]:
+    """GPU time per call of each CUDA kernel that `fn()` launches, in ms (torch.profiler over
+    `calls` calls after one warm-up call), keyed by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls / 1e3 for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type.name == "CUDA"}
