@@ -18,7 +18,7 @@ start "$out"
 step tests 200 bash -c "cd tests && $py -m pytest -q -p no:cacheprovider --rootdir=.. -c ../pyproject.toml -n 3 \
   test_concurrency.py test_caches.py test_fuzz.py kernels/test_nonfinite.py"
 step forward 120 env ATTNGEN_REGISTRY=tuned $py benchmarks/forward.py --out "$out" --dtypes bf16
-step training 200 $py benchmarks/training.py --out "$out" --cases none,causal,window512,document,dropout
+step training 200 $py benchmarks/training.py --out "$out" --cases none,causal,window512,document,dropout --profile
 tail -n 3 "$out/tests.txt"
 tail -n 16 "$out/forward.txt"
 tail -n 20 "$out/training.txt"

@@ -1,7 +1,7 @@
 """Forward + backward on one GPU: attngen next to SDPA's cuDNN and flash backends, FlexAttention and
 the straightforward torch code, over masks, top-k and dropout, in one run.
 
-    python benchmarks/training.py --out DIR [--shape 4,16,4096,128] [--dtype bf16] [--cases none,causal,...]
+    python benchmarks/training.py --out DIR [--shape 4,16,4096,128] [--dtype bf16] [--cases none,causal,...] [--profile]
 
 A step is the forward and the backward (torch.autograd.grad of the output with a fixed random
 gradient) of one call. Every method's output and gradients are first compared with float64 autograd
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 
 import attngen
-from attngen.tools.timing import BWD_FACTOR, attention_flops
+from attngen.tools.timing import BWD_FACTOR, attention_flops, kernel_times
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ALL_CASES = "none,causal,window512,document,prefix1024,sparse10,topk64,topk256,dropout"
@@ -151,6 +151,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--cases", default=ALL_CASES)
     p.add_argument("--out", default=".")
+    p.add_argument("--profile", action="store_true",
+                   help="also record the GPU time of every kernel of attngen's and FlexAttention's step (torch.profiler) "
+                        "in each row, and print them")
     args = p.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
     dtype = DTYPES[args.dtype]
@@ -185,10 +188,14 @@ def main() -> int:
                 row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
                 row["ms"] = float(triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median"))
                 row["tflops"] = flops / row["ms"] / 1e9
+                if args.profile and (method.startswith("attngen") or method == "flex"):
+                    row["kernels_ms"] = kernel_times(step, calls=10)
             except Exception as e:  # a backend that refuses the case, out of memory: say so, go on
                 row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({key: value for key, value in row.items() if key != "kernels_ms"}), flush=True)
+            for kernel, ms in sorted(row.get("kernels_ms", {}).items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {ms:8.3f} ms  {kernel[:100]}", flush=True)
             torch.cuda.empty_cache()
         write(Path(args.out), env, rows, args.dtype, (b, h, s, d))  # after every case: a cut run keeps its rows
     print((Path(args.out) / "training.md").read_text())
