@@ -58,7 +58,7 @@ def decode(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask=None, s
     if plan is None:
         shape, cache = check_decode(q, k_cache, v_cache, seq_lens, block_table)
         generation = _plans.generation
-        config = dispatch.choose_config(DECODE, q, shape, m).config
+        config = dispatch.choose_config(DECODE, q, shape, m, paged=cache.paged).config
         plan = DecodePlan(q, k_cache, v_cache, block_table, seq_lens, m, shape, cache,
                           check_scale(scale, shape.head_dim), return_lse, config)
         if key is not None:

@@ -105,9 +105,11 @@ def registry_for(gpu: str) -> registry_.Registry:
 
 
 def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mask | None, topk: int = 0,
-                  dropout: bool = False) -> Choice:
+                  dropout: bool = False, paged: bool = False) -> Choice:
     """The config `family` runs a call with (checked inputs; topk as check_topk returns it; dropout:
-    whether the call drops weights, which some tiles cannot afford the registers for)."""
+    whether the call drops weights, which some tiles cannot afford the registers for; paged: a
+    decode call over a paged cache, which takes the defaults: the tuner times contiguous caches,
+    and a paged cache's gathered rows want other tiles than a contiguous one's)."""
     bucket = registry_.seq_bucket(shape.kv_len)
     rows = min(query_rows(shape.q_len), 1 << 20)
     group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
@@ -115,7 +117,7 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     dropout = dropout and not topk  # top-k runs every kernel at the forward's tiles: nothing to adapt
     table = family.table(shape, q.device)
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
-                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout, table)
+                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout, table, paged)
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
@@ -124,13 +126,14 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     variant = registry_.variant_of(mask, topk)
     key = registry_.EntryKey(variant=variant, kernel=family.name, dtype=DTYPE_NAMES[q.dtype],
                              head_dim=shape.head_dim, seq_bucket=bucket, group=group, batch_bucket=batch)
-    found = registry_for(gpu).lookup(key)
+    found = None if paged else registry_for(gpu).lookup(key)
     if found is not None:
         entry, reason = found
         config, source = entry.kernel_config(), f"registry: {reason}"
     else:
         config, row = family.default(arch_of(q.device), shape.head_dim, table)
-        source = f"no registry entry for {gpu}; {row}"
+        source = (f"a paged cache takes the defaults (the registry's entries are tuned on contiguous caches); {row}"
+                  if paged else f"no registry entry for {gpu}; {row}")
     config, note = family.fit(config, shape.q_len)
     if note:
         source += f"; {note}"

@@ -172,6 +172,8 @@ def main(argv=None) -> int:
             shape, cache = check_decode(q, k, v, lens, None)
             entry["attngen_config"] = f"{choice.config} splits {split_count(shape, cache, choice.config, sm_count(device))}"
             entry["attngen_source"] = choice.source
+            paged_choice = attngen.dispatch.choose_config(attngen.families.DECODE, q, shape, None, paged=True)
+            entry["attngen_paged_config"] = str(paged_choice.config)
         if args.profile:
             entry["kernels_us"] = {}
             fns = methods(q, k, v, lens, pool_k, pool_v, table, args.page)
@@ -193,7 +195,8 @@ def main(argv=None) -> int:
         print("  ".join(x.ljust(w) for x, w in zip(r, widths)))
     for case in results["cases"]:
         if "attngen_config" in case:
-            print(f"B{case['batch']} S{case['length']}: attngen {case['attngen_config']} ({case['attngen_source']})")
+            print(f"B{case['batch']} S{case['length']}: attngen {case['attngen_config']} ({case['attngen_source']}); "
+                  f"paged {case['attngen_paged_config']}")
     for line in profiles:
         print(line)
     print("host µs per call (B1, 256 keys): " + ", ".join(f"{k} {v:.1f}" for k, v in results["host_us"].items()))

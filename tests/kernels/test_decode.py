@@ -189,6 +189,34 @@ def test_untuned_calls_take_the_split_or_the_full_defaults(clean_dispatch, tmp_p
         assert choice.config == want and f"default {table} config" in choice.source, (batch, choice)
 
 
+def test_a_tuned_entry_serves_contiguous_calls_and_paged_calls_take_the_defaults(clean_dispatch, tmp_path,
+                                                                                  monkeypatch):
+    """The tuner times contiguous caches: its decode entry runs contiguous calls, while a paged call
+    takes the defaults (its gathered rows want other tiles), and both still match the reference."""
+    from attngen.tuning import registry
+    g = torch.Generator().manual_seed(5)
+    q, k, v, lens = make_case(2, 4, 2, 1, 64, torch.float32, [64, 37], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    tuned = KernelConfig(64, 16, 2, 1)
+    key = registry.EntryKey(variant="none", kernel="decode", dtype="fp32", head_dim=16, seq_bucket=64, group=2,
+                            batch_bucket=2)
+    gpu = attngen.dispatch.gpu_of(q.device)
+    registry.write_entries(tmp_path / f"{gpu}.yaml", [registry.Entry(
+        key=key, config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3, triton="3.6.0",
+        torch="2.13.0", date="2026-12-03")], gpu, "test")
+    clean_dispatch.use_registry(tmp_path)
+    used = []
+    real = decoding.DecodePlan
+    monkeypatch.setattr(decoding, "DecodePlan", lambda *a, **kw: used.append(a[10]) or real(*a, **kw))
+    out = attngen.decode(q, k, v, lens)
+    out_paged = attngen.decode(q, pool_k, pool_v, lens, block_table=table)
+    shape_default = decode_kernels.default_table(Shape(2, 4, 2, 1, 64, 16), q.device)
+    from attngen.config import arch_of, default_config
+    assert used == [tuned, default_config(shape_default, arch_of(q.device), 16)]
+    for got in (out, out_paged):
+        assert_close(got, attngen.reference.decode(q, k, v, lens), q.dtype)
+
+
 def test_bad_values_never_read_outside_the_cache():
     """validate=False: lengths past the capacity count as the capacity, pages outside the cache as
     zeros (the reference's dense_cache does the same); nothing else is read."""
