@@ -11,7 +11,7 @@ from . import ops
 from .caches import BoundedCache
 from .checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from .families import BACKWARD, DECODE, FORWARD
-from .kernels.autograd import AttentionFunction, check_mask_grads, check_modifiers
+from .kernels.autograd import AttentionFunction, TrainPlan, check_mask_grads, check_modifiers
 from .kernels.decode import ShortQueryPlan, takes_short_query
 from .kernels.forward import Plan, forward
 
@@ -41,34 +41,52 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     m = masks_.as_mask(mask)
     tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     grad = torch.is_grad_enabled() and tensors and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if tensors and not grad:
-        # fast path: one prepared launch per call signature; a mask's tensors are part of it (by
-        # identity and version: the plan holds them, so an id is not reused while it lives), in a
-        # smaller cache, as a new tensor per call (an SDPA mask) would fill it with dead plans
+    if tensors:
+        # fast path: one prepared launch per call signature (with gradients: the forward's and the
+        # backward's); a mask's tensors are part of it (by identity and version: the plan holds
+        # them, so an id is not reused while it lives), in a smaller cache, as a new tensor per call
+        # (an SDPA mask) would fill it with dead plans
         plans = _plans if m is None or not m.has_tensors else _tensor_plans
         mask_key = None if m is None else m.plan_key()
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p)
+               q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p, grad)
         plan = plans.get(key)
         if plan is None:
             shape = check_qkv(q, k, v, kernel=True)
             if q.numel() == 0:  # nothing to compute (B, Hq or Sq is 0): no plan
                 return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
             generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
-            plan = plans.put(key, _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p), generation)
-        out, lse = plan.run(q, k, v)
+            plan = plans.put(key, _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p, grad), generation)
+        if not grad:
+            out, lse = plan.run(q, k, v)
+            return (out, lse) if return_lse else out
+        if m is not None and m.has_tensors:
+            check_mask_grads(m)  # a mask tensor may have started to require grad since the plan was made
+        out, lse = AttentionFunction.apply(q, k, v, plan)
         return (out, lse) if return_lse else out
     return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
 
 
-def _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p):
-    """The prepared launch of a call without gradients: the decode kernels for a short query
-    (kernels.decode.takes_short_query), the forward kernel otherwise."""
+def _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p, grad=False):
+    """The prepared launches of a call: with gradients a TrainPlan (the forward and backward
+    kernels); without, the decode kernels for a short query (kernels.decode.takes_short_query), the
+    forward kernel otherwise."""
     topk, dropout_p, scale = check_topk(topk, shape.kv_len), check_dropout(dropout_p), check_scale(scale, shape.head_dim)
+    if grad:
+        return _train_plan(q, k, v, m, shape, scale, topk, dropout_p)
     if takes_short_query(shape, topk, dropout_p):
         return ShortQueryPlan(q, k, v, m, shape, scale, return_lse, dispatch.choose_config(DECODE, q, shape, m).config)
     config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
     return Plan(q, k, v, m, shape, scale, topk, return_lse, config, dropout_p)
+
+
+def _train_plan(q, k, v, m, shape, scale, topk, dropout_p) -> TrainPlan:
+    """The TrainPlan of a call with gradients (checked arguments)."""
+    check_mask_grads(m)
+    check_modifiers(m)
+    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
+    bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
+    return TrainPlan(q, k, v, m, shape, scale, topk, config, bwd_config, dropout_p)
 
 
 def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
@@ -78,13 +96,10 @@ def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
     topk = check_topk(topk, shape.kv_len)
     scale = check_scale(scale, shape.head_dim)
     dropout_p = check_dropout(dropout_p)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
-    seed = draw_seed() if dropout_p > 0 else 0
     if grad:
-        check_mask_grads(m)
-        check_modifiers(m)
-        bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
-        out, lse = AttentionFunction.apply(q, k, v, m, shape, scale, topk, config, bwd_config, dropout_p, seed)
+        out, lse = AttentionFunction.apply(q, k, v, _train_plan(q, k, v, m, shape, scale, topk, dropout_p))
     else:
+        config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
+        seed = draw_seed() if dropout_p > 0 else 0
         out, lse, _ = forward(q, k, v, m, shape, scale, topk, return_lse, config, dropout_p=dropout_p, seed=seed)
     return (out, lse) if return_lse else out

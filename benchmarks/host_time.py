@@ -1,5 +1,6 @@
 """Host time per call on a tiny shape: attngen.attention with and without the direct launch, against
-SDPA, an empty Triton kernel and attngen's kernel launched through `kernel[grid]`.
+SDPA, an empty Triton kernel and attngen's kernel launched through `kernel[grid]`; and of a training
+step (forward and backward) of attngen and SDPA flash.
 
     python benchmarks/host_time.py [--calls 2000] [--rounds 7]
 
@@ -57,6 +58,19 @@ def methods(q, k, v) -> dict:
         for direct in (True, False):
             found[f"attngen.attention {name}, direct {'on' if direct else 'off'}"] = (
                 lambda mask=mask: attngen.attention(q, k, v, mask=mask), nullcontext, direct)
+    # a training step: the forward and torch.autograd.grad of q, k, v (attngen: its TrainPlan's launches)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), dout)
+
+    found["SDPA flash, forward + backward (causal)"] = (
+        step(lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)),
+        lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION), None)
+    for direct in (True, False):
+        found[f"attngen.attention causal, forward + backward, direct {'on' if direct else 'off'}"] = (
+            step(lambda q_, k_, v_: attngen.attention(q_, k_, v_, mask="causal")), nullcontext, direct)
     return found
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import draw_seed
+from ..config import KernelConfig
 from ..expr import SCORE_NAME
-from .backward import backward
-from .forward import forward
+from .backward import BackwardPlan
+from .forward import Plan
 
 
 def check_mask_grads(m) -> None:
@@ -32,25 +34,60 @@ def check_modifiers(m) -> None:
         raise ValueError(f"attngen cannot differentiate this mask's score modifiers: {e}") from None
 
 
+class TrainPlan:
+    """Everything of a call with gradients but the tensors, prepared once per call signature: the
+    forward's Plan (the LSE kept) and the backward's BackwardPlan, one per layout of dO (made at
+    the first backward that brings it). The dispatcher's fast path keeps one per signature."""
+
+    def __init__(self, q, k, v, mask, shape, scale: float, topk: int, fwd_config: KernelConfig,
+                 bwd_config: KernelConfig, dropout_p: float):
+        # no query (B, Hq or Sq is 0): nothing to launch, and no gradient reaches k and v
+        self.empty = q.numel() == 0
+        self.plan = None if self.empty else Plan(q, k, v, mask, shape, scale, topk, True, fwd_config, dropout_p)
+        self.lse_shape = (shape.batch, shape.heads, shape.q_len)
+        self.dropout = dropout_p > 0
+        self.call = (mask, shape, scale, bwd_config, fwd_config, dropout_p)
+        self.backwards: dict[tuple, BackwardPlan] = {}  # dO's strides -> the prepared backward
+
+    def forward(self, q, k, v, seed: int):
+        """(output, LSE, the top-k thresholds or None) of one call."""
+        if self.empty:
+            return torch.empty_like(q), q.new_empty(self.lse_shape, dtype=torch.float32), None
+        return self.plan.launch(q, k, v, seed)
+
+    def backward(self, q, k, v, out, lse, thr, dout, dlse, seed: int):
+        """(dQ, dK, dV) of one call."""
+        if self.empty:
+            return torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        plan = self.backwards.get(dout.stride())
+        if plan is None:
+            if len(self.backwards) >= 4:  # a caller whose dO changes layout every call: keep a few
+                self.backwards.clear()
+            mask, shape, scale, bwd_config, fwd_config, dropout_p = self.call
+            plan = self.backwards[dout.stride()] = BackwardPlan(q, k, v, out, lse, thr, dout, mask, shape, scale,
+                                                                bwd_config, fwd_config, dropout_p)
+        return plan.run(q, k, v, out, lse, thr, dout, dlse, seed)
+
+
 class AttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, the output, the LSE and, for top-k, the thresholds; nothing (Sq, Sk)-sized."""
+    """Saves q, k, v, the output, the LSE and, for top-k, the thresholds; nothing (Sq, Sk)-sized.
+    Runs a TrainPlan's launches."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, shape, scale, topk, fwd_config, bwd_config, dropout_p, seed):
-        out, lse, thr = forward(q, k, v, mask, shape, scale, topk, True, fwd_config, dropout_p=dropout_p, seed=seed)
+    def forward(ctx, q, k, v, plan: TrainPlan):
+        seed = draw_seed() if plan.dropout else 0
+        out, lse, thr = plan.forward(q, k, v, seed)
         ctx.save_for_backward(q, k, v, out, lse, thr)
-        ctx.call = (mask, shape, scale, fwd_config, bwd_config, dropout_p, seed)
+        ctx.plan, ctx.seed = plan, seed
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, thr = ctx.saved_tensors
-        mask, shape, scale, fwd_config, bwd_config, dropout_p, seed = ctx.call
         if dout is None and dlse is None:
-            return (None,) * 11
+            return None, None, None, None
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale, bwd_config, fwd_config,
-                              dropout_p, seed)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dq, dk, dv = ctx.plan.backward(q, k, v, out, lse, thr, dout, dlse, ctx.seed)
+        return dq, dk, dv, None

@@ -53,6 +53,39 @@ def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, conf
     return dq, dk, dv
 
 
+class BackwardPlan:
+    """The backward's three launches prepared once per call signature (and dO's strides): per call
+    only q, k, v, the forward's output, LSE and thresholds, dO, dLSE, the dropout seed and the new
+    dQ, dK, dV change, and they go straight to the prepared runners (`Launch.runner`). Built from
+    one call's tensors, it keeps none of them. Gives the same results as `backward`, bit for bit."""
+
+    def __init__(self, q, k, v, out, lse, thr, dout, mask, shape, scale: float, config: KernelConfig,
+                 forward: KernelConfig | None = None, dropout_p: float = 0.0):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        preprocess, dkdv, dq_launch = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape,
+                                                        scale, config, forward, dropout_p)
+        self.rows = shape.batch * shape.heads * shape.q_len
+        # dLSE (B, Hq, Sq) made contiguous, where given: these strides; else unused
+        self.dlse_strides = (shape.heads * shape.q_len, shape.q_len)
+        self.topk = thr is not None
+        self._preprocess = preprocess.runner("O", "DO", "DLSE", "DELTA", "stride_lb", "stride_lh",
+                                             variants=[preprocess.options, dict(preprocess.options, HAS_DLSE=True)])
+        self._dkdv = dkdv.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DK", "DV", "seed")
+        self._dq = dq_launch.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "seed")
+
+    def run(self, q, k, v, out, lse, thr, dout, dlse, seed: int = 0):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty(self.rows, dtype=torch.float32, device=q.device)
+        if dlse is None:
+            self._preprocess(out, dout, delta, delta, 0, 0)
+        else:
+            self._preprocess(out, dout, dlse.contiguous(), delta, *self.dlse_strides, variant=1)
+        thr = thr if self.topk else delta
+        self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, seed)
+        self._dq(q, k, v, dout, lse, delta, thr, dq, seed)
+        return dq, dk, dv
+
+
 def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale: float,
                       config: KernelConfig, forward: KernelConfig | None = None, dropout_p: float = 0.0,
                       seed: int = 0) -> list[Launch]:

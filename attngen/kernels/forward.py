@@ -89,15 +89,21 @@ class Plan:
         self._run = launch.runner("Q", "K", "V", "O", "LSE", "THR", "seed", variants=variants)
 
     def run(self, q, k, v):
+        out, lse, _ = self.launch(q, k, v, draw_seed() if self.dropout else 0)
+        return out, lse
+
+    def launch(self, q, k, v, seed: int):
+        """run with the dropout seed given (the autograd Function keeps it for the backward):
+        (output, LSE or None, the top-k thresholds or None)."""
         out = torch.empty_like(q)
         lse = self.new_lse() if self.new_lse is not None else None
-        thr = self.thresholds.run(q, k) if self.thresholds is not None else out
+        thr = self.thresholds.run(q, k) if self.thresholds is not None else None
         variant = 0
         if self.tma and aligned(q, k, v):
             variant = 1
             ensure_allocator()
-        self._run(q, k, v, out, out if lse is None else lse, thr, draw_seed() if self.dropout else 0, variant=variant)
-        return out, lse
+        self._run(q, k, v, out, out if lse is None else lse, out if thr is None else thr, seed, variant=variant)
+        return out, lse, thr
 
 
 def forward(q, k, v, mask, shape, scale: float, topk: int, return_lse: bool, config: KernelConfig, out=None,

@@ -137,6 +137,49 @@ def test_gradients_are_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.parametrize("mask,topk", [(None, None), ("causal", 7), ("doc", None)])
+def test_a_repeated_training_call_reuses_its_prepared_launches(mask, topk, monkeypatch):
+    """The second call with gradients of a signature builds no launch (api's TrainPlan: the forward's
+    Plan and the backward's BackwardPlan), and its gradients are bit for bit those of the unprepared
+    `backward` on the same forward results, for a contiguous, a transposed and an expanded dO, with
+    and without the LSE's gradient."""
+    from attngen.kernels import launch as launch_module
+    if mask == "doc":
+        mask = attngen.mask("document", doc_ids=(torch.arange(29, device=DEVICE) // 10).expand(2, 29).contiguous())
+    q, k, v = rand_qkv(2, 4, 2, 21, 29, 16, torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    douts = [torch.randn(q.shape, device=DEVICE), torch.randn(2, 4, 16, 21, device=DEVICE).transpose(-1, -2),
+             torch.randn(1, 1, 1, 16, device=DEVICE).expand(q.shape)]
+    built = []
+    real_init = launch_module.Launch.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(args[0])
+        real_init(self, *args, **kwargs)
+
+    for i, dout in enumerate(douts):
+        dlse = None if i % 2 == 0 else torch.randn(q.shape[:3], device=DEVICE)  # with the LSE's gradient
+        for _ in range(2):  # the first call of a dO layout builds its backward, the second none
+            monkeypatch.setattr(launch_module.Launch, "__init__", counting_init)
+            built.clear()
+            out, lse = attngen.attention(q, k, v, mask=mask, topk=topk, return_lse=True)
+            got = torch.autograd.grad((out, lse) if dlse is not None else out, (q, k, v),
+                                      (dout, dlse) if dlse is not None else dout)
+            monkeypatch.setattr(launch_module.Launch, "__init__", real_init)
+        assert built == [], built  # the second call: no launch built, forward or backward
+        shape = check_qkv(q, k, v, kernel=True)
+        config = attngen.dispatch.choose_config(attngen.families.BACKWARD, q, shape, attngen.masks.as_mask(mask),
+                                                topk or 0).config
+        fwd_config = attngen.dispatch.choose_config(attngen.families.FORWARD, q, shape,
+                                                    attngen.masks.as_mask(mask), topk or 0).config
+        _, _, thr = forward(q.detach(), k.detach(), v.detach(), attngen.masks.as_mask(mask), shape, 16 ** -0.5,
+                            topk or 0, True, fwd_config)
+        want = backward(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), thr, dout, dlse,
+                        attngen.masks.as_mask(mask), shape, 16 ** -0.5, config, fwd_config)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
 def test_finite_differences():
     """The gradient's inner product with a random direction against central differences of the
     output's inner product with a random upstream gradient (fp32, tiny shape)."""
