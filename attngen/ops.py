@@ -20,11 +20,16 @@ from torch import Tensor
 
 from . import dispatch
 from . import masks as masks_
+from .caches import BoundedCache
 from .checks import check_dropout, check_qkv, check_scale, check_topk
 from .families import BACKWARD, FORWARD
-from .kernels.autograd import check_mask_grads, check_modifiers
-from .kernels.backward import backward
-from .kernels.forward import forward
+from .kernels.autograd import TrainPlan, check_mask_grads, check_modifiers
+
+# call signature -> TrainPlan, for the operators' calls (masks with tensors in a smaller cache, as in api)
+_plans = BoundedCache("ops.plans", 1024)
+_tensor_plans = BoundedCache("ops.tensor_plans", 64)
+dispatch.on_registry_change(_plans.clear)
+dispatch.on_registry_change(_tensor_plans.clear)
 
 def _mask(spec: str, tensors: list[Tensor]):
     """The Mask of a spec (a template name or `attngen.masks.parse_spec` text) and its tensors."""
@@ -41,14 +46,32 @@ def _seed(seed: Optional[Tensor]) -> int:
     return 0 if seed is None else int(seed.item())  # a CPU tensor: no device synchronisation
 
 
+def _plan(q, k, v, spec: str, tensors: list[Tensor], scale, topk, dropout_p) -> TrainPlan:
+    """The TrainPlan of an operator call, prepared once per call signature: the forward and the
+    backward operator of one call find the same plan. A mask's tensors are part of the signature by
+    their memory, layout and version (a compiled graph hands the operator a new tensor object for the
+    same mask tensor every call; the plan holds the first, so its memory is not reused while it lives,
+    and an in-place change through any alias moves the shared version)."""
+    plans = _tensor_plans if tensors else _plans
+    mask_key = tuple((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+           k.device, v.device, spec, mask_key, scale, topk, dropout_p)
+    plan = plans.get(key)
+    if plan is None:
+        m, shape, scale, topk = _checked(q, k, v, spec, tensors, scale, topk)
+        dropout_p = check_dropout(dropout_p)
+        generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
+        config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
+        bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
+        plan = plans.put(key, TrainPlan(q, k, v, m, shape, scale, topk, config, bwd_config, dropout_p), generation)
+    return plan
+
+
 @torch.library.custom_op("attngen::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: str, mask_tensors: list[Tensor], scale: Optional[float],
                  topk: Optional[int], dropout_p: float, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(output, lse, top-k thresholds: empty without top-k) of attngen.attention."""
-    m, shape, scale, topk = _checked(q, k, v, mask, mask_tensors, scale, topk)
-    dropout_p = check_dropout(dropout_p)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
-    out, lse, thr = forward(q, k, v, m, shape, scale, topk, True, config, dropout_p=dropout_p, seed=_seed(seed))
+    out, lse, thr = _plan(q, k, v, mask, mask_tensors, scale, topk, dropout_p).forward(q, k, v, _seed(seed))
     return out, lse, thr if thr is not None else q.new_empty(0, dtype=torch.float32)
 
 
@@ -65,13 +88,9 @@ def attention_backward_op(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Te
                           lse: Tensor, thr: Tensor, mask: str, mask_tensors: list[Tensor], scale: Optional[float],
                           topk: Optional[int], dropout_p: float, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attngen::attention from its saved outputs."""
-    m, shape, scale, topk = _checked(q, k, v, mask, mask_tensors, scale, topk)
-    check_modifiers(m)
-    dropout_p = check_dropout(dropout_p)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
-    bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
-    return backward(q, k, v, out, lse, thr if topk else None, dout, dlse, m, shape, scale, bwd_config, config,
-                    dropout_p, _seed(seed))
+    plan = _plan(q, k, v, mask, mask_tensors, scale, topk, dropout_p)
+    check_modifiers(plan.mask)
+    return plan.backward(q, k, v, out, lse, thr if plan.topk else None, dout, dlse, _seed(seed))
 
 
 @attention_backward_op.register_fake

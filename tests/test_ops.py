@@ -49,6 +49,29 @@ def test_masks_built_outside_go_through_fullgraph_forward_and_backward():
         assert torch.equal(got, want)
 
 
+def test_a_compiled_training_step_reuses_its_prepared_launches(monkeypatch):
+    """The operators keep a TrainPlan per call signature (ops._plan): the second compiled step,
+    forward and backward, builds no launch, and its gradients are those of an eager step."""
+    from attngen.kernels import launch as launch_module
+    document = attngen.mask("document", doc_ids=DOCS) & attngen.mask("causal")
+
+    def f(q, k, v):
+        return attngen.attention(q, k, v, mask=document) + attngen.attention(q, k, v, mask="causal", topk=5)
+
+    q, k, v = _inputs()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    _grads(compiled(q, k, v), (q, k, v))  # compiles, and prepares the plans
+    built = []
+    real_init = launch_module.Launch.__init__
+    monkeypatch.setattr(launch_module.Launch, "__init__", lambda self, *a, **kw: built.append(a[0]) or real_init(
+        self, *a, **kw))
+    got = _grads(compiled(q, k, v), (q, k, v))
+    assert built == []
+    monkeypatch.setattr(launch_module.Launch, "__init__", real_init)
+    for g, w in zip(got, _grads(f(q, k, v), (q, k, v))):
+        assert torch.equal(g, w)
+
+
 def test_masks_built_inside_the_compiled_function():
     outside = attngen.mask("softcap", cap=20.0)
 

@@ -45,6 +45,8 @@ class TrainPlan:
         self.empty = q.numel() == 0
         self.plan = None if self.empty else Plan(q, k, v, mask, shape, scale, topk, True, fwd_config, dropout_p)
         self.lse_shape = (shape.batch, shape.heads, shape.q_len)
+        self.mask = mask
+        self.topk = bool(topk)  # topk as check_topk gives it: 0 when plain softmax
         self.dropout = dropout_p > 0
         self.call = (mask, shape, scale, bwd_config, fwd_config, dropout_p)
         self.backwards: dict[tuple, BackwardPlan] = {}  # dO's strides -> the prepared backward
