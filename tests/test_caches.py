@@ -83,6 +83,21 @@ def test_a_plan_keeps_none_of_the_tensors_of_its_call():
     assert_close(out, attngen.reference.attention(q, k, v, mask="causal", topk=3), torch.float32)
 
 
+def test_a_training_plan_keeps_none_of_the_tensors_of_its_call():
+    """A TrainPlan is built from its first call's tensors (and its backward from the first dO):
+    neither the inputs, the outputs, dO nor the gradients outlive the call."""
+    api._plans.clear()
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 1, 9, 13, 16, torch.float32))
+    out = attngen.attention(q, k, v, mask="causal", topk=3)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert len(api._plans) == 1 and len(next(iter(api._plans.values())).backwards) == 1
+    refs = [weakref.ref(t) for t in (q, k, v, out, dout, *grads)]
+    del q, k, v, out, dout, grads
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * len(refs)
+
+
 @pytest.mark.gpu
 def test_device_memory_stays_bounded_under_new_shapes(monkeypatch):
     """Calls with ever new shapes, every cache cut to 4 entries: once the caches are full, the
