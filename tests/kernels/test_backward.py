@@ -230,6 +230,23 @@ def test_dropout_keep_rate_and_seeds():
     assert attngen.dropout_mask(q, q, 0.0).all()
 
 
+def test_dropout_bits_are_uncorrelated_across_keys_rows_heads_and_seeds():
+    """At p = 0.5 a fair, independent mask agrees with itself shifted by one key, one row (query),
+    one head or drawn from another seed half of the time, and so do keys 8 apart and 2**16 rows
+    apart (a weak generator repeats there): each within 5 standard deviations."""
+    q = torch.randn(2, 4, 64, 16, device=DEVICE)
+    k = torch.randn(2, 4, 72, 16, device=DEVICE)
+    torch.manual_seed(11)
+    mask = attngen.dropout_mask(q, k, 0.5)
+    other = attngen.dropout_mask(q, k, 0.5)  # the next seed
+    pairs = {"next key": (mask[..., 1:], mask[..., :-1]), "8 keys on": (mask[..., 8:], mask[..., :-8]),
+             "next row": (mask[:, :, 1:], mask[:, :, :-1]), "next head": (mask[:, 1:], mask[:, :-1]),
+             "next batch": (mask[1:], mask[:-1]), "another seed": (mask, other)}
+    for name, (a, b) in pairs.items():
+        agree = float((a == b).float().mean())
+        assert abs(agree - 0.5) < 5 * (0.25 / a.numel()) ** 0.5, (name, agree)
+
+
 def test_dropout_zero_is_the_plain_kernel():
     q, k, v = rand_qkv(1, 2, 2, 40, 40, 16, torch.float32)
     assert torch.equal(attngen.attention(q, k, v, dropout_p=0.0), attngen.attention(q, k, v))
