@@ -48,6 +48,16 @@ def paged_copy(k, v, page: int, generator):
     return pool_k, pool_v, order.to(torch.int32)
 
 
+def case_inputs(batch: int, length: int, page: int, generator, device):
+    """One case's fresh random bf16 q (B, Hq, 1, D), full contiguous caches k, v (B, Hkv, S, D), their
+    lengths (int32) and the same caches as a shuffled page pool with its block table."""
+    q = torch.randn(batch, HQ, 1, D, generator=generator).to(torch.bfloat16).to(device)
+    k = torch.randn(batch, HKV, length, D, generator=generator).to(torch.bfloat16).to(device)
+    v = torch.randn(batch, HKV, length, D, generator=generator).to(torch.bfloat16).to(device)
+    lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    return (q, k, v, lens, *paged_copy(k, v, page, generator))
+
+
 def methods(q, k, v, lens, pool_k, pool_v, table, page):
     """name -> a function of no arguments, or the reason it cannot run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,11 +144,7 @@ def main(argv=None) -> int:
     rows, profiles = [], []
     for case in args.cases.split(","):
         batch, length = (int(x) for x in case.split("x"))
-        q = torch.randn(batch, HQ, 1, D, generator=g).to(torch.bfloat16).to(device)
-        k = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
-        v = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
-        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-        pool_k, pool_v, table = paged_copy(k, v, args.page, g)
+        q, k, v, lens, pool_k, pool_v, table = case_inputs(batch, length, args.page, g, device)
         kv_bytes = 2 * k.numel() * k.element_size()
         copy_src = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
         copy_dst = torch.empty_like(copy_src)

@@ -31,7 +31,7 @@ from attngen.config import DEFAULTS, KernelConfig
 from attngen.kernels.decode import DecodePlan, check_decode, sm_count, split_count
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import D, HKV, HQ, paged_copy  # noqa: E402 - the same shapes and page pools
+from decode import D, HKV, HQ, case_inputs  # noqa: E402 - the same shapes and page pools
 
 GRID = dict(block_n=[16, 32, 64, 128], num_warps=[2, 4, 8], num_stages=[2, 3, 4])
 
@@ -71,11 +71,7 @@ def main(argv=None) -> int:
     grid = [KernelConfig(256, n, w, s) for n, w, s in itertools.product(*GRID.values())]
     for case in args.cases.split(","):
         batch, length = (int(x) for x in case.split("x"))
-        q = torch.randn(batch, HQ, 1, D, generator=g).to(torch.bfloat16).to(device)
-        k = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
-        v = torch.randn(batch, HKV, length, D, generator=g).to(torch.bfloat16).to(device)
-        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-        pool_k, pool_v, table = paged_copy(k, v, args.page, g)
+        q, k, v, lens, pool_k, pool_v, table = case_inputs(batch, length, args.page, g, device)
         ref = attngen.reference.decode(q, k, v, lens).float()
         kv_bytes = 2 * k.numel() * k.element_size()
         entry = dict(batch=batch, length=length, kv_bytes=kv_bytes, layouts={})
