@@ -64,6 +64,21 @@ def block_d_for(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+# the decode tables' untuned rows, the same for split calls and calls that fill the GPU
+_DECODE_UNTUNED: dict[str, list[tuple[int, KernelConfig]]] = {
+    "sm80": [
+        (128, KernelConfig(256, 64, 4, 3)),
+        (256, KernelConfig(256, 32, 4, 2)),
+    ],
+    "generic": [
+        (256, KernelConfig(256, 32, 4, 2)),
+    ],
+    "interpreter": [
+        (256, KernelConfig(32, 32, 4, 1)),
+    ],
+}
+
+
 # Fallback configs when the registry has nothing for a call: kernel family -> architecture ->
 # [(largest head dim, config)], first fit wins. sm90 forward: the configs `attngen tune` picked most
 # often on an H200 (triton 3.6; benchmarks/RESULTS.md): 128x64, 8 warps, 3 stages for D <= 64;
@@ -125,32 +140,14 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
             (128, KernelConfig(256, 128, 4, 2)),
             (256, KernelConfig(256, 32, 4, 2)),
         ],
-        "sm80": [
-            (128, KernelConfig(256, 64, 4, 3)),
-            (256, KernelConfig(256, 32, 4, 2)),
-        ],
-        "generic": [
-            (256, KernelConfig(256, 32, 4, 2)),
-        ],
-        "interpreter": [
-            (256, KernelConfig(32, 32, 4, 1)),
-        ],
+        **_DECODE_UNTUNED,
     },
     "decode_full": {
         "sm90": [
             (128, KernelConfig(256, 64, 4, 2)),
             (256, KernelConfig(256, 32, 4, 2)),
         ],
-        "sm80": [
-            (128, KernelConfig(256, 64, 4, 3)),
-            (256, KernelConfig(256, 32, 4, 2)),
-        ],
-        "generic": [
-            (256, KernelConfig(256, 32, 4, 2)),
-        ],
-        "interpreter": [
-            (256, KernelConfig(32, 32, 4, 1)),
-        ],
+        **_DECODE_UNTUNED,
     },
 }
 
