@@ -10,7 +10,7 @@ from . import masks as masks_
 from . import ops
 from .caches import BoundedCache
 from .checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
-from .families import BACKWARD, DECODE, FORWARD
+from .families import DECODE, FORWARD
 from .kernels.autograd import AttentionFunction, TrainPlan, check_mask_grads, check_modifiers
 from .kernels.decode import ShortQueryPlan, takes_short_query
 from .kernels.forward import Plan, forward
@@ -84,9 +84,7 @@ def _train_plan(q, k, v, m, shape, scale, topk, dropout_p) -> TrainPlan:
     """The TrainPlan of a call with gradients (checked arguments)."""
     check_mask_grads(m)
     check_modifiers(m)
-    config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
-    bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
-    return TrainPlan(q, k, v, m, shape, scale, topk, config, bwd_config, dropout_p)
+    return TrainPlan(q, k, v, m, shape, scale, topk, *dispatch.train_configs(q, shape, m, topk, dropout_p), dropout_p)
 
 
 def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):

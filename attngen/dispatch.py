@@ -24,7 +24,7 @@ from .caches import BoundedCache
 from .checks import check_qkv, check_topk, topk_pad
 from .config import KernelConfig, arch_of
 from .dtypes import NAMES as DTYPE_NAMES
-from .families import KernelFamily, family, query_rows
+from .families import BACKWARD, FORWARD, KernelFamily, family, query_rows
 from .kernels.decode import takes_short_query
 from .tuning import registry as registry_
 
@@ -145,6 +145,14 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     log.debug("attngen: %s %s %s d%d s%d (bucket %d) group %d -> %s (%s)", family.name, variant, key.dtype,
               shape.head_dim, shape.kv_len, bucket, group, config, source)
     return choice
+
+
+def train_configs(q: torch.Tensor, shape, mask: masks_.Mask | None, topk: int,
+                  dropout_p: float) -> tuple[KernelConfig, KernelConfig]:
+    """(forward config, backward config) of a call with gradients (checked inputs), as
+    attngen.kernels.autograd.TrainPlan takes them."""
+    return (choose_config(FORWARD, q, shape, mask, topk, dropout_p > 0).config,
+            choose_config(BACKWARD, q, shape, mask, topk, dropout_p > 0).config)
 
 
 def choose(q, k, v, mask=None, *, topk=None, kernel: str = "fwd") -> Choice:

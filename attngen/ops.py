@@ -22,7 +22,6 @@ from . import dispatch
 from . import masks as masks_
 from .caches import BoundedCache
 from .checks import check_dropout, check_qkv, check_scale, check_topk
-from .families import BACKWARD, FORWARD
 from .kernels.autograd import TrainPlan, check_mask_grads, check_modifiers
 
 # call signature -> TrainPlan, for the operators' calls (masks with tensors in a smaller cache, as in api)
@@ -30,6 +29,7 @@ _plans = BoundedCache("ops.plans", 1024)
 _tensor_plans = BoundedCache("ops.tensor_plans", 64)
 dispatch.on_registry_change(_plans.clear)
 dispatch.on_registry_change(_tensor_plans.clear)
+
 
 def _mask(spec: str, tensors: list[Tensor]):
     """The Mask of a spec (a template name or `attngen.masks.parse_spec` text) and its tensors."""
@@ -61,9 +61,8 @@ def _plan(q, k, v, spec: str, tensors: list[Tensor], scale, topk, dropout_p) -> 
         m, shape, scale, topk = _checked(q, k, v, spec, tensors, scale, topk)
         dropout_p = check_dropout(dropout_p)
         generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
-        config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
-        bwd_config = dispatch.choose_config(BACKWARD, q, shape, m, topk, dropout_p > 0).config
-        plan = plans.put(key, TrainPlan(q, k, v, m, shape, scale, topk, config, bwd_config, dropout_p), generation)
+        configs = dispatch.train_configs(q, shape, m, topk, dropout_p)
+        plan = plans.put(key, TrainPlan(q, k, v, m, shape, scale, topk, *configs, dropout_p), generation)
     return plan
 
 

@@ -48,7 +48,7 @@ class TrainPlan:
         self.mask = mask
         self.topk = bool(topk)  # topk as check_topk gives it: 0 when plain softmax
         self.dropout = dropout_p > 0
-        self.call = (mask, shape, scale, bwd_config, fwd_config, dropout_p)
+        self.call = (shape, scale, bwd_config, fwd_config, dropout_p)
         self.backwards: dict[tuple, BackwardPlan] = {}  # dO's strides -> the prepared backward
 
     def forward(self, q, k, v, seed: int):
@@ -65,8 +65,8 @@ class TrainPlan:
         if plan is None:
             if len(self.backwards) >= 4:  # a caller whose dO changes layout every call: keep a few
                 self.backwards.clear()
-            mask, shape, scale, bwd_config, fwd_config, dropout_p = self.call
-            plan = self.backwards[dout.stride()] = BackwardPlan(q, k, v, out, lse, thr, dout, mask, shape, scale,
+            shape, scale, bwd_config, fwd_config, dropout_p = self.call
+            plan = self.backwards[dout.stride()] = BackwardPlan(q, k, v, out, lse, thr, dout, self.mask, shape, scale,
                                                                 bwd_config, fwd_config, dropout_p)
         return plan.run(q, k, v, out, lse, thr, dout, dlse, seed)
 
