@@ -2,6 +2,9 @@
 
     python benchmarks/bwd_configs.py [--shape 4,16,4096,128] [--masks none,causal] [--configs 32x128x4x3,...]
 
+--masks takes benchmarks/training.py's case names (none, causal, window512, document, prefix1024,
+sparse10): the same masks as there, so the figures of both scripts compare.
+
 A config is BLOCK_M x BLOCK_N x warps x stages of the `bwd` family (dK/dV runs block_m x block_n
 tiles, dQ block_n x block_m; attngen.kernels.backward.tiles). For each mask and config: the forward
 at its fallback config and the backward at the config, checked against float64 autograd on batch
@@ -16,6 +19,8 @@ import sys
 
 import torch
 import triton
+
+from training import case_masks, reference_grads
 
 import attngen
 from attngen.config import KernelConfig
@@ -44,8 +49,13 @@ def main() -> int:
     print("| mask | config | fwd+bwd ms | bwd ms (less the forward) | TFLOP/s fwd+bwd | max rel. error |")
     print("|---|---|---|---|---|---|")
     for mask_name in args.masks.split(","):
-        mask = None if mask_name == "none" else attngen.masks.parse_spec(mask_name)
-        refs = BACKWARD.reference(q[:1, :2], k[:1, :2], v[:1, :2], dout[:1, :2], mask, topk=None)
+        mask, _, _, topk = case_masks(mask_name, b, h, s, "cuda")
+        if topk is not None or mask_name == "dropout":
+            raise SystemExit(f"--masks: {mask_name!r} is not a mask; expected one of none, causal, window512, "
+                             "document, prefix1024, sparse10")
+        if isinstance(mask, str):
+            mask = attngen.masks.parse_spec(mask)
+        refs = reference_grads(mask_name, q, k, v, dout)[1:]  # dQ, dK, dV of batch 0, heads 0-1
         flops = FORWARD.flops(mask, b, h, s, s, d, "cuda") * (1 + BWD_FACTOR)
         fwd_config = FORWARD.default("sm90", d)[0]
         fwd_ms = triton.testing.do_bench(lambda: FORWARD.run(q, k, v, mask, topk=None, config=fwd_config),

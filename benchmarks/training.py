@@ -151,6 +151,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--cases", default=ALL_CASES)
     p.add_argument("--out", default=".")
+    p.add_argument("--methods", default=None,
+                   help="only the methods whose name contains one of these comma-separated strings "
+                        "(e.g. attngen,cudnn); every method when left out")
     p.add_argument("--profile", action="store_true",
                    help="also record the GPU time of every kernel of attngen's and FlexAttention's step (torch.profiler) "
                         "in each row, and print them")
@@ -173,6 +176,8 @@ def main() -> int:
         flops = attention_flops(mask, b, h, s, s, d, "cuda") * (1 + BWD_FACTOR)
         ref = None if name == "dropout" else reference_grads(name, q, k, v, dout)
         for method, fn in methods(name, q, k, v, flex, scale).items():
+            if args.methods and not any(part in method for part in args.methods.split(",")):
+                continue
             row = dict(case=name, method=method)
             try:
                 step = step_of(fn, q, k, v, dout)
