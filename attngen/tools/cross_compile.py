@@ -5,12 +5,13 @@ did), so the CPU tests also compile the kernels for sm_90 with Triton's bundled 
 in a process of its own: the interpreter, once on, cannot compile.
 
     python -m attngen.tools.cross_compile topk BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
+    python -m attngen.tools.cross_compile forward BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) MASK DROPOUT(0/1)
     python -m attngen.tools.cross_compile backward BLOCK_M BLOCK_N WARPS STAGES MASK DROPOUT(0/1)
     python -m attngen.tools.cross_compile decode BLOCK_M BLOCK_N WARPS STAGES MASK PAGED(0/1) GROUP SQ
     python -m attngen.tools.cross_compile varlen MASK
 
 prints `ok <kernel name> <shared memory bytes> <registers> <spill bytes> <SASS instructions>` for
-every launch of a top-k call (its threshold kernels), of a backward call at that `bwd` config (MASK:
+every launch of a top-k call (its threshold kernels), of a forward call at that `fwd` config, of a backward call at that `bwd` config (MASK:
 a spec, `none` for dense), or of a decode call split over the keys at that `decode` config (its
 split and combine kernels; a paged cache of 16-row pages or a contiguous one; GROUP query heads per
 key/value head, SQ new tokens), built as for a CUDA tensor (B=1, H=2, Sq=Sk=64 for the backward,
@@ -95,6 +96,21 @@ def topk_launches(block_m: int, block_n: int, warps: int, stages: int, tma: bool
     return out
 
 
+def forward_launches(block_m: int, block_n: int, warps: int, stages: int, tma: bool, mask: str, dropout: bool):
+    """The launch of a forward call (storing the LSE, as under autograd) at that `fwd` config."""
+    from ..checks import check_qkv
+    from ..config import KernelConfig
+    from ..kernels.forward import blocks, forward_launch
+    from ..masks import parse_spec
+
+    config = KernelConfig(block_m, block_n, warps, stages, use_tma=tma)
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    shape = check_qkv(q, q, q, kernel=False)
+    bound, structure = blocks(q, parse_spec(mask), shape, config)
+    return [forward_launch(q, q, q, q, torch.zeros(1, 2, 64), None, bound, structure, shape, 128 ** -0.5, config,
+                           tma, dropout_p=0.1 if dropout else 0.0, seed=1)]
+
+
 def backward_launches(block_m: int, block_n: int, warps: int, stages: int, mask: str, dropout: bool):
     """The launches of a backward call at that `bwd` config, as a CUDA launch would make them."""
     from ..checks import check_qkv
@@ -162,6 +178,10 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "topk" and len(argv) == 8:
         bm, bn, warps, stages, tma, topk, kv_len = (int(x) for x in argv[1:])
         launches = topk_launches(bm, bn, warps, stages, bool(tma), topk, kv_len)
+    elif argv and argv[0] == "forward" and len(argv) == 8:
+        bm, bn, warps, stages, tma = (int(x) for x in argv[1:6])
+        launches = [(launch, {}) for launch in forward_launches(bm, bn, warps, stages, bool(tma), argv[6],
+                                                                argv[7] == "1")]
     elif argv and argv[0] == "backward" and len(argv) == 7:
         bm, bn, warps, stages = (int(x) for x in argv[1:5])
         launches = [(launch, {}) for launch in backward_launches(bm, bn, warps, stages, argv[5], argv[6] == "1")]
