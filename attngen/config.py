@@ -107,11 +107,13 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
         ],
     },
     # backward: dK/dV runs (block_m, block_n) tiles, dQ (block_n, block_m) (attngen.kernels.backward.tiles).
-    # sm90 D <= 128: within 1% (dense) and 2% (causal) of the best of the 12 configs benchmarks/bwd_configs.py
-    # tried on an H200 (bf16, B=4 H=16 S=4096; benchmarks/RESULTS.md); the other rows are untuned starting points
+    # sm90 D <= 128: of the configs benchmarks/bwd_configs.py tried on an H200 (bf16, B=4 H=16 S=4096;
+    # benchmarks/RESULTS.md), the fastest with a sliding window of 512 and with 8 causal documents (0.960 and
+    # 0.745 ms against 1.183 and 0.839 at 64x128 w8 s3) and within 1% of the best dense and causal; the other
+    # rows are untuned starting points
     "bwd": {
         "sm90": [
-            (128, KernelConfig(64, 128, 8, 3)),
+            (128, KernelConfig(64, 64, 4, 2)),
             (256, KernelConfig(16, 64, 4, 2)),
         ],
         "sm80": [
