@@ -83,14 +83,6 @@ def _forward_fit(config: KernelConfig, q_len: int) -> tuple[KernelConfig, str]:
     return config, ""
 
 
-def _forward_fit_dropout(config: KernelConfig) -> tuple[KernelConfig, str]:
-    """Dropout's random bits need registers: a 128-row tile on 4 warps spills them (sm_90, D 128:
-    1200 bytes a thread; on 8 warps none; attngen.tools.cross_compile), so it takes 8 warps."""
-    if config.block_m >= 128 and config.num_warps < 8:
-        return replace(config, num_warps=8), "8 warps under dropout (4 spill its random bits)"
-    return config, ""
-
-
 FORWARD = KernelFamily(
     name="fwd",
     doc="forward attention (FlashAttention-2 online softmax), top-k softmax included",
@@ -103,7 +95,6 @@ FORWARD = KernelFamily(
     reference=_forward_reference,
     flops=attention_flops,
     fit=_forward_fit,
-    fit_dropout=_forward_fit_dropout,
 )
 
 
@@ -131,10 +122,12 @@ def _backward_flops(mask, batch, heads, q_len, kv_len, head_dim, device) -> int:
 
 
 def _backward_fit_dropout(config: KernelConfig) -> tuple[KernelConfig, str]:
-    """Under dropout the dK/dV kernel of a 64 x 128 tile spills (sm_90, D 128, 8 warps: 764 bytes a
-    thread; at 32 x 128, 40; attngen.tools.cross_compile): query blocks of 32 rows."""
-    if config.block_m >= 64 and config.block_n >= 128:
-        return replace(config, block_m=32), "block_m 32 under dropout (64 spills its random bits)"
+    """Under dropout the dK/dV kernel needs registers for the random bits: on 4 warps it spills them
+    (sm_90, D 128, 64 x 64 tiles: 1100 bytes a thread; attngen.tools.cross_compile), so it takes 8
+    warps, 128-key blocks and 3 stages (an H200, bf16, B=4 H=16 S=4096, p = 0.1: 6.53 ms against
+    7.24 at 64 x 64 on 4 warps; benchmarks/RESULTS.md)."""
+    if config.num_warps < 8 and config.block_m <= 64:
+        return replace(config, block_n=128, num_warps=8, num_stages=3), "8 warps, 128-key blocks under dropout"
     return config, ""
 
 

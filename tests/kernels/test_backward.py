@@ -232,8 +232,8 @@ def test_dropout_keep_rate_and_seeds():
 
 def test_dropout_bits_are_uncorrelated_across_keys_rows_heads_and_seeds():
     """At p = 0.5 a fair, independent mask agrees with itself shifted by one key, one row (query),
-    one head or drawn from another seed half of the time, and so do keys 8 apart and 2**16 rows
-    apart (a weak generator repeats there): each within 5 standard deviations."""
+    one head or drawn from another seed half of the time, and so do keys 8 apart; the XOR of a
+    rectangle's four corners is 1 half of the time: each within 5 standard deviations."""
     q = torch.randn(2, 4, 64, 16, device=DEVICE)
     k = torch.randn(2, 4, 72, 16, device=DEVICE)
     torch.manual_seed(11)
@@ -242,6 +242,11 @@ def test_dropout_bits_are_uncorrelated_across_keys_rows_heads_and_seeds():
     pairs = {"next key": (mask[..., 1:], mask[..., :-1]), "8 keys on": (mask[..., 8:], mask[..., :-8]),
              "next row": (mask[:, :, 1:], mask[:, :, :-1]), "next head": (mask[:, 1:], mask[:, :-1]),
              "next batch": (mask[1:], mask[:-1]), "another seed": (mask, other)}
+    # a generator built from a row's number and a key's number can fail where neither alone does:
+    # the four corners of a rectangle (rows r, r + e; keys c, c + d) agree in parity half of the time
+    for e, d in ((1, 1), (3, 5), (1, 8)):
+        parity = mask[:, :, :-e, :-d] ^ mask[:, :, :-e, d:] ^ mask[:, :, e:, :-d] ^ mask[:, :, e:, d:]
+        pairs[f"rectangle {e} x {d}"] = (parity, torch.zeros_like(parity))
     for name, (a, b) in pairs.items():
         agree = float((a == b).float().mean())
         assert abs(agree - 0.5) < 5 * (0.25 / a.numel()) ** 0.5, (name, agree)
