@@ -21,7 +21,7 @@ dispatch.on_registry_change(_plans.clear)  # a new registry may choose other con
 dispatch.on_registry_change(_tensor_plans.clear)
 
 
-def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dropout_p=0.0):
+def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dropout_p=0.0, deterministic=True):
     """Attention of q (B, Hq, Sq, D) over k, v (B, Hkv, Sk, D) with an optional mask.
 
     mask: None, a mask spec ("causal", "sliding_window(window=256) & softcap(cap=30.0)": the command
@@ -33,11 +33,17 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     dropout_p: drop each attention weight with this probability and scale the rest by 1 / (1 - p),
     as SDPA does (pass 0 outside training); the mask is drawn from torch's default generator.
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
+    deterministic: True (the default): two backward passes on the same inputs give the same bits.
+    False: the dK/dV kernel also adds dQ's shares with atomics and the dQ kernel is skipped (two
+    fewer matrix products a tile), and dQ's rounding varies from run to run.
     """
     if type(return_lse) is not bool:  # before the fast path: a plan keyed by True must not take 'yes'
         check_flag("return_lse", return_lse)
+    if type(deterministic) is not bool:
+        check_flag("deterministic", deterministic)
     if torch.compiler.is_compiling():  # torch.compile / export record the attngen::attention operator
-        return ops.attention(q, k, v, mask, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p)
+        return ops.attention(q, k, v, mask, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p,
+                             deterministic=deterministic)
     m = masks_.as_mask(mask)
     tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     grad = torch.is_grad_enabled() and tensors and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -49,14 +55,15 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
         plans = _plans if m is None or not m.has_tensors else _tensor_plans
         mask_key = None if m is None else m.plan_key()
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p, grad)
+               q.device, k.device, v.device, mask_key, scale, return_lse, topk, dropout_p, grad, deterministic)
         plan = plans.get(key)
         if plan is None:
             shape = check_qkv(q, k, v, kernel=True)
             if q.numel() == 0:  # nothing to compute (B, Hq or Sq is 0): no plan
-                return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
+                return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad, deterministic)
             generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
-            plan = plans.put(key, _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p, grad), generation)
+            plan = plans.put(key, _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p, grad, deterministic),
+                             generation)
         if not grad:
             out, lse = plan.run(q, k, v)
             return (out, lse) if return_lse else out
@@ -64,30 +71,31 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
             check_mask_grads(m)  # a mask tensor may have started to require grad since the plan was made
         out, lse = AttentionFunction.apply(q, k, v, plan)
         return (out, lse) if return_lse else out
-    return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad)
+    return _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad, deterministic)
 
 
-def _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p, grad=False):
+def _plan(q, k, v, m, shape, scale, return_lse, topk, dropout_p, grad=False, deterministic=True):
     """The prepared launches of a call: with gradients a TrainPlan (the forward and backward
     kernels); without, the decode kernels for a short query (kernels.decode.takes_short_query), the
     forward kernel otherwise."""
     topk, dropout_p, scale = check_topk(topk, shape.kv_len), check_dropout(dropout_p), check_scale(scale, shape.head_dim)
     if grad:
-        return _train_plan(q, k, v, m, shape, scale, topk, dropout_p)
+        return _train_plan(q, k, v, m, shape, scale, topk, dropout_p, deterministic)
     if takes_short_query(shape, topk, dropout_p):
         return ShortQueryPlan(q, k, v, m, shape, scale, return_lse, dispatch.choose_config(DECODE, q, shape, m).config)
     config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
     return Plan(q, k, v, m, shape, scale, topk, return_lse, config, dropout_p)
 
 
-def _train_plan(q, k, v, m, shape, scale, topk, dropout_p) -> TrainPlan:
+def _train_plan(q, k, v, m, shape, scale, topk, dropout_p, deterministic) -> TrainPlan:
     """The TrainPlan of a call with gradients (checked arguments)."""
     check_mask_grads(m)
     check_modifiers(m)
-    return TrainPlan(q, k, v, m, shape, scale, topk, *dispatch.train_configs(q, shape, m, topk, dropout_p), dropout_p)
+    return TrainPlan(q, k, v, m, shape, scale, topk, *dispatch.train_configs(q, shape, m, topk, dropout_p), dropout_p,
+                     deterministic)
 
 
-def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
+def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad, deterministic):
     """Every call checked in full: autograd, empty outputs (a call without gradients on tensors that
     are not empty takes the fast path's plan)."""
     shape = check_qkv(q, k, v, kernel=True)
@@ -95,7 +103,8 @@ def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad):
     scale = check_scale(scale, shape.head_dim)
     dropout_p = check_dropout(dropout_p)
     if grad:
-        out, lse = AttentionFunction.apply(q, k, v, _train_plan(q, k, v, m, shape, scale, topk, dropout_p))
+        out, lse = AttentionFunction.apply(q, k, v, _train_plan(q, k, v, m, shape, scale, topk, dropout_p,
+                                                                deterministic))
     else:
         config = dispatch.choose_config(FORWARD, q, shape, m, topk, dropout_p > 0).config
         seed = draw_seed() if dropout_p > 0 else 0

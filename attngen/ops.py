@@ -46,7 +46,7 @@ def _seed(seed: Optional[Tensor]) -> int:
     return 0 if seed is None else int(seed.item())  # a CPU tensor: no device synchronisation
 
 
-def _plan(q, k, v, spec: str, tensors: list[Tensor], scale, topk, dropout_p) -> TrainPlan:
+def _plan(q, k, v, spec: str, tensors: list[Tensor], scale, topk, dropout_p, deterministic: bool) -> TrainPlan:
     """The TrainPlan of an operator call, prepared once per call signature: the forward and the
     backward operator of one call find the same plan. A mask's tensors are part of the signature by
     their memory, layout and version (a compiled graph hands the operator a new tensor object for the
@@ -55,27 +55,29 @@ def _plan(q, k, v, spec: str, tensors: list[Tensor], scale, topk, dropout_p) -> 
     plans = _tensor_plans if tensors else _plans
     mask_key = tuple((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors)
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-           k.device, v.device, spec, mask_key, scale, topk, dropout_p)
+           k.device, v.device, spec, mask_key, scale, topk, dropout_p, deterministic)
     plan = plans.get(key)
     if plan is None:
         m, shape, scale, topk = _checked(q, k, v, spec, tensors, scale, topk)
         dropout_p = check_dropout(dropout_p)
         generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
         configs = dispatch.train_configs(q, shape, m, topk, dropout_p)
-        plan = plans.put(key, TrainPlan(q, k, v, m, shape, scale, topk, *configs, dropout_p), generation)
+        plan = plans.put(key, TrainPlan(q, k, v, m, shape, scale, topk, *configs, dropout_p, deterministic), generation)
     return plan
 
 
 @torch.library.custom_op("attngen::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: str, mask_tensors: list[Tensor], scale: Optional[float],
-                 topk: Optional[int], dropout_p: float, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                 topk: Optional[int], dropout_p: float, seed: Optional[Tensor],
+                 deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(output, lse, top-k thresholds: empty without top-k) of attngen.attention."""
-    out, lse, thr = _plan(q, k, v, mask, mask_tensors, scale, topk, dropout_p).forward(q, k, v, _seed(seed))
+    plan = _plan(q, k, v, mask, mask_tensors, scale, topk, dropout_p, deterministic)
+    out, lse, thr = plan.forward(q, k, v, _seed(seed))
     return out, lse, thr if thr is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, mask, mask_tensors, scale, topk, dropout_p, seed):
+def _attention_fake(q, k, v, mask, mask_tensors, scale, topk, dropout_p, seed, deterministic):
     batch, heads, q_len, _ = q.shape
     thr = 2 * batch * heads * q_len if topk is not None and topk < k.shape[2] else 0  # as check_topk
     return (torch.empty_like(q), q.new_empty((batch, heads, q_len), dtype=torch.float32),
@@ -85,43 +87,45 @@ def _attention_fake(q, k, v, mask, mask_tensors, scale, topk, dropout_p, seed):
 @torch.library.custom_op("attngen::attention_backward", mutates_args=())
 def attention_backward_op(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           lse: Tensor, thr: Tensor, mask: str, mask_tensors: list[Tensor], scale: Optional[float],
-                          topk: Optional[int], dropout_p: float, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                          topk: Optional[int], dropout_p: float, seed: Optional[Tensor],
+                          deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of attngen::attention from its saved outputs."""
-    plan = _plan(q, k, v, mask, mask_tensors, scale, topk, dropout_p)
+    plan = _plan(q, k, v, mask, mask_tensors, scale, topk, dropout_p, deterministic)
     check_modifiers(plan.mask)
     return plan.backward(q, k, v, out, lse, thr if plan.topk else None, dout, dlse, _seed(seed))
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, dlse, q, k, v, out, lse, thr, mask, mask_tensors, scale, topk, dropout_p, seed):
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, thr, mask, mask_tensors, scale, topk, dropout_p, seed,
+                             deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, mask_tensors, scale, topk, dropout_p, seed = inputs
+    q, k, v, mask, mask_tensors, scale, topk, dropout_p, seed, deterministic = inputs
     out, lse, thr = output
     ctx.save_for_backward(q, k, v, out, lse, thr, seed, *mask_tensors)
-    ctx.call = (mask, scale, topk, dropout_p)
+    ctx.call = (mask, scale, topk, dropout_p, deterministic)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse, dthr):
     q, k, v, out, lse, thr, seed, *mask_tensors = ctx.saved_tensors
-    mask, scale, topk, dropout_p = ctx.call
+    mask, scale, topk, dropout_p, deterministic = ctx.call
     no_grads = [None] * len(mask_tensors)  # the gradients' structure is that of the inputs
     if dout is None and dlse is None:
-        return None, None, None, None, no_grads, None, None, None, None
+        return None, None, None, None, no_grads, None, None, None, None, None
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = attention_backward_op(dout, dlse, q, k, v, out, lse, thr, mask, mask_tensors, scale, topk,
-                                       dropout_p, seed)
-    return dq, dk, dv, None, no_grads, None, None, None, None
+                                       dropout_p, seed, deterministic)
+    return dq, dk, dv, None, no_grads, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, mask, *, scale, return_lse: bool, topk, dropout_p):
+def attention(q, k, v, mask, *, scale, return_lse: bool, topk, dropout_p, deterministic: bool = True):
     """attngen.attention through the operator (what dynamo records). Reads no shape, so a
     dynamic sequence length stays symbolic."""
     if mask is None:
@@ -141,5 +145,5 @@ def attention(q, k, v, mask, *, scale, return_lse: bool, topk, dropout_p):
         raise TypeError(f"mask must be None, a mask name or an attngen mask object, got {type(mask).__name__}")
     dropout_p = check_dropout(dropout_p)
     seed = torch.randint(0, 2**31 - 1, (1,)) if dropout_p > 0 else None
-    out, lse, _ = attention_op(q, k, v, spec, tensors, scale, topk, dropout_p, seed)
+    out, lse, _ = attention_op(q, k, v, spec, tensors, scale, topk, dropout_p, seed, deterministic)
     return (out, lse) if return_lse else out

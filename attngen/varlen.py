@@ -26,7 +26,7 @@ _DERIVED = BoundedCache("varlen.positions", _MAX_DERIVED)  # (cu_seqlens ids and
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, mask=None,
-                     scale=None, return_lse=False, topk=None, dropout_p=0.0):
+                     scale=None, return_lse=False, topk=None, dropout_p=0.0, deterministic=True):
     """Attention of packed sequences: q (total_q, Hq, D), k and v (total_k, Hkv, D); sequence i
     is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k
     and v (int32 or int64, length N + 1, starting at 0, non-decreasing: not checked, which would
@@ -37,7 +37,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     FlashAttention's varlen causal does). Masks that read tensors over positions (document, keep,
     bias, block layouts) are refused: their positions would be the packed ones.
     Returns the output (total_q, Hq, D), and with return_lse the LSE (Hq, total_q). Rows past
-    cu_seqlens_q[-1] get output 0.
+    cu_seqlens_q[-1] get output 0. scale, topk, dropout_p, deterministic: as for attention().
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -56,7 +56,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     positions = _positions(cu_seqlens_q, cu_seqlens_k, q.shape[0])
     m = _localized(mask, positions)
     packed = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)]  # (1, H, total, D) views
-    result = attention(*packed, mask=m, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p)
+    result = attention(*packed, mask=m, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p,
+                       deterministic=deterministic)
     if return_lse:
         out, lse = result
         return out[0].permute(1, 0, 2), lse[0]

@@ -14,7 +14,8 @@ timing. Writes training.json and training.md into --out and prints the table las
 
 Cases: none, causal (SDPA cuDNN and flash, FlexAttention, attngen); window512 (causal sliding window
 of 512), document (causal within 8 packed documents), prefix1024, sparse10 (a random 10% layout of
-128 x 128 blocks) (FlexAttention, attngen); topk64, topk256 (torch with a bf16 and with an fp32
+128 x 128 blocks) (FlexAttention, attngen); every case but top-k and dropout also runs attngen with
+deterministic=False (dQ added atomically by the dK/dV kernel); topk64, topk256 (torch with a bf16 and with an fp32
 softmax, attngen); dropout (p = 0.1 against p = 0: SDPA flash and attngen).
 """
 
@@ -106,6 +107,7 @@ def methods(name, q, k, v, flex, scale):
                                                                  s, s, device=q.device, _compile=True)
     out["flex"] = lambda q, k, v: flex(q, k, v, block_mask=block_mask)
     out["attngen"] = lambda q, k, v: attngen.attention(q, k, v, mask=mask)
+    out["attngen deterministic=False"] = lambda q, k, v: attngen.attention(q, k, v, mask=mask, deterministic=False)
     return out
 
 

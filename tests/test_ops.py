@@ -121,11 +121,13 @@ def test_export():
     assert torch.equal(program.module()(q, k, v), Model()(q, k, v))
 
 
-@pytest.mark.parametrize("spec, tensors, topk", [("none", [], None), ("causal(align='bottom_right')", [], 5),
-                                                 ("document(doc_ids=tensor_0) & softcap(cap=10.0)", [DOCS], None)])
-def test_opcheck(spec, tensors, topk):
+@pytest.mark.parametrize("spec, tensors, topk, deterministic", [
+    ("none", [], None, True), ("causal(align='bottom_right')", [], 5, True),
+    ("document(doc_ids=tensor_0) & softcap(cap=10.0)", [DOCS], None, True), ("causal", [], None, False)])
+def test_opcheck(spec, tensors, topk, deterministic):
     q, k, v = _inputs()
-    result = torch.library.opcheck(torch.ops.attngen.attention.default, (q, k, v, spec, tensors, None, topk, 0.0, None),
+    result = torch.library.opcheck(torch.ops.attngen.attention.default,
+                                   (q, k, v, spec, tensors, None, topk, 0.0, None, deterministic),
                                    test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
 

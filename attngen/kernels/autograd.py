@@ -40,7 +40,7 @@ class TrainPlan:
     the first backward that brings it). The dispatcher's fast path keeps one per signature."""
 
     def __init__(self, q, k, v, mask, shape, scale: float, topk: int, fwd_config: KernelConfig,
-                 bwd_config: KernelConfig, dropout_p: float):
+                 bwd_config: KernelConfig, dropout_p: float, deterministic: bool = True):
         # no query (B, Hq or Sq is 0): nothing to launch, and no gradient reaches k and v
         self.empty = q.numel() == 0
         self.plan = None if self.empty else Plan(q, k, v, mask, shape, scale, topk, True, fwd_config, dropout_p)
@@ -48,7 +48,7 @@ class TrainPlan:
         self.mask = mask
         self.topk = bool(topk)  # topk as check_topk gives it: 0 when plain softmax
         self.dropout = dropout_p > 0
-        self.call = (shape, scale, bwd_config, fwd_config, dropout_p)
+        self.call = (shape, scale, bwd_config, fwd_config, dropout_p, deterministic)
         self.backwards: dict[tuple, BackwardPlan] = {}  # dO's strides -> the prepared backward
 
     def forward(self, q, k, v, seed: int):
@@ -65,9 +65,9 @@ class TrainPlan:
         if plan is None:
             if len(self.backwards) >= 4:  # a caller whose dO changes layout every call: keep a few
                 self.backwards.clear()
-            shape, scale, bwd_config, fwd_config, dropout_p = self.call
+            shape, scale, bwd_config, fwd_config, dropout_p, deterministic = self.call
             plan = self.backwards[dout.stride()] = BackwardPlan(q, k, v, out, lse, thr, dout, self.mask, shape, scale,
-                                                                bwd_config, fwd_config, dropout_p)
+                                                                bwd_config, fwd_config, dropout_p, deterministic)
         return plan.run(q, k, v, out, lse, thr, dout, dlse, seed)
 
 

@@ -37,19 +37,29 @@ def topk_config(forward: KernelConfig, device) -> KernelConfig:
     return threshold_config(forward, device, TopkTuning())
 
 
+def dq_buffer(q) -> torch.Tensor:
+    """The zeroed fp32 (B, Hq, Sq, D) buffer that dK/dV adds dQ's shares to when not deterministic."""
+    return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+
 def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, config: KernelConfig,
-             forward: KernelConfig | None = None, dropout_p: float = 0.0, seed: int = 0):
+             forward: KernelConfig | None = None, dropout_p: float = 0.0, seed: int = 0,
+             deterministic: bool = True):
     """(dq, dk, dv) of one call from its forward's output, LSE (natural log, (B, Hq, Sq) fp32,
     contiguous) and top-k thresholds (`thr`: None, or the forward's 2 * B * H * Sq floats), the
     gradient of the output `dout` and of the LSE `dlse` (None where the LSE is not used).
     `forward`: the forward's config, for top-k calls (see topk_config); `dropout_p` and `seed`: the
-    forward's dropout, which the kernels regenerate."""
+    forward's dropout, which the kernels regenerate. `deterministic=False`: dK/dV adds dQ's shares
+    with atomics and there is no dQ launch (bits may differ from run to run)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:  # no query (B, Hq or Sq is 0): no gradient reaches k and v
         return dq, dk.zero_(), dv.zero_()
+    acc = None if deterministic else dq_buffer(q)
     for launch in backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale, config,
-                                    forward, dropout_p, seed):
+                                    forward, dropout_p, seed, dq_acc=acc):
         launch()
+    if acc is not None:
+        dq.copy_(acc)
     return dq, dk, dv
 
 
@@ -60,18 +70,20 @@ class BackwardPlan:
     one call's tensors, it keeps none of them. Gives the same results as `backward`, bit for bit."""
 
     def __init__(self, q, k, v, out, lse, thr, dout, mask, shape, scale: float, config: KernelConfig,
-                 forward: KernelConfig | None = None, dropout_p: float = 0.0):
+                 forward: KernelConfig | None = None, dropout_p: float = 0.0, deterministic: bool = True):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        preprocess, dkdv, dq_launch = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape,
-                                                        scale, config, forward, dropout_p)
+        self.deterministic = deterministic
+        acc = None if deterministic else dq_buffer(q)
+        preprocess, dkdv, *dq_launch = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape,
+                                                         scale, config, forward, dropout_p, dq_acc=acc)
         self.rows = shape.batch * shape.heads * shape.q_len
         # dLSE (B, Hq, Sq) made contiguous, where given: these strides; else unused
         self.dlse_strides = (shape.heads * shape.q_len, shape.q_len)
         self.topk = thr is not None
         self._preprocess = preprocess.runner("O", "DO", "DLSE", "DELTA", "stride_lb", "stride_lh",
                                              variants=[preprocess.options, dict(preprocess.options, HAS_DLSE=True)])
-        self._dkdv = dkdv.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DK", "DV", "seed")
-        self._dq = dq_launch.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "seed")
+        self._dkdv = dkdv.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DK", "DV", "DQ_ACC", "seed")
+        self._dq = dq_launch[0].runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "seed") if deterministic else None
 
     def run(self, q, k, v, out, lse, thr, dout, dlse, seed: int = 0):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -81,15 +93,22 @@ class BackwardPlan:
         else:
             self._preprocess(out, dout, dlse.contiguous(), delta, *self.dlse_strides, variant=1)
         thr = thr if self.topk else delta
-        self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, seed)
-        self._dq(q, k, v, dout, lse, delta, thr, dq, seed)
+        if self.deterministic:
+            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, delta, seed)
+            self._dq(q, k, v, dout, lse, delta, thr, dq, seed)
+        else:
+            acc = dq_buffer(q)
+            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, acc, seed)
+            dq.copy_(acc)
         return dq, dk, dv
 
 
 def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale: float,
                       config: KernelConfig, forward: KernelConfig | None = None, dropout_p: float = 0.0,
-                      seed: int = 0) -> list[Launch]:
-    """The three launches of `backward`, in order, writing into dq, dk and dv."""
+                      seed: int = 0, dq_acc: torch.Tensor | None = None) -> list[Launch]:
+    """The launches of `backward`, in order, writing into dq, dk and dv: the three of the
+    deterministic backward; with `dq_acc` (dq_buffer's), the preprocessing and a dK/dV launch that
+    adds dQ into dq_acc atomically (the caller copies it into dq)."""
     bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
                         device=q.device)
     module = module_for(TEMPLATE, mask)
@@ -123,8 +142,14 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                                     heads=shape.heads, device=q.device, bound=bound, by_key=True)
     dkdv = Launch(module.attention_bwd_dkdv, (math.ceil(shape.kv_len / bn1), shape.batch * shape.kv_heads),
                   dict(call, **tensor_args("dk", dk, "bhnd"), **tensor_args("dv", dv, "bhnd"),
-                       **structure_args(by_key)),
-                  dict(options, BLOCK_M=bm1, BLOCK_N=bn1, CONTIGUOUS=by_key.contiguous, FWD_ORIENT=topk))
+                       DQ_ACC=dq_acc if dq_acc is not None else delta,
+                       stride_accb=dq_acc.stride(0) if dq_acc is not None else 0,
+                       stride_acch=dq_acc.stride(1) if dq_acc is not None else 0,
+                       stride_accm=dq_acc.stride(2) if dq_acc is not None else 0, **structure_args(by_key)),
+                  dict(options, BLOCK_M=bm1, BLOCK_N=bn1, CONTIGUOUS=by_key.contiguous, FWD_ORIENT=topk,
+                       DQ_ATOMIC=dq_acc is not None))
+    if dq_acc is not None:
+        return [preprocess, dkdv]
 
     # dQ: a program per query block and head
     by_query = masks_.block_structure(mask, shape.q_len, shape.kv_len, (bm2, bn2), batch=shape.batch,

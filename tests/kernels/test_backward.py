@@ -21,6 +21,11 @@ from masks_zoo import ZOO
 GRAD_TOLERANCE = {dtype: 2 * tol for dtype, tol in TOLERANCE.items()}
 
 
+def nondeterministic(q, k, v, **kwargs):
+    """attngen.attention with deterministic=False: dQ added atomically by the dK/dV kernel."""
+    return attngen.attention(q, k, v, deterministic=False, **kwargs)
+
+
 def grads(q, k, v, dout, mask=None, *, dlse=None, fn=attngen.attention, **kwargs):
     """(out, dq, dk, dv) of fn, through autograd (of out, and of the LSE where dlse is given)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -34,11 +39,11 @@ def grads(q, k, v, dout, mask=None, *, dlse=None, fn=attngen.attention, **kwargs
         return (out.detach(), *torch.autograd.grad((out, lse), (q, k, v), (dout, dlse)))
 
 
-def check_grads(q, k, v, mask=None, *, dtype=None, dlse=False, **kwargs):
+def check_grads(q, k, v, mask=None, *, dtype=None, dlse=False, fn=attngen.attention, **kwargs):
     """attngen's output and gradients against float64 autograd through the reference."""
     dout = torch.randn(q.shape, device=q.device).to(q.dtype)
     dl = torch.randn(q.shape[:3], device=q.device) if dlse else None
-    got = grads(q, k, v, dout, mask, dlse=dl, **kwargs)
+    got = grads(q, k, v, dout, mask, dlse=dl, fn=fn, **kwargs)
     ref = grads(*(t.to(torch.float64) for t in (q, k, v, dout)), mask, dlse=None if dl is None else dl.double(),
                 fn=attngen.reference.attention, **kwargs)
     for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
@@ -127,6 +132,39 @@ def test_block_sparse_backward_visits_the_layout_only():
 
 def test_tiles_of_the_two_kernels():
     assert tiles(KernelConfig(32, 128, 4, 3)) == ((32, 128), (128, 32))
+
+
+@pytest.mark.parametrize("name", ["none", "causal_bottom_right", "sliding_window", "document", "alibi",
+                                  "block_sparse|sliding_window&softcap", "keep&causal&bias"])
+def test_atomic_dq_matches_the_reference(name):
+    """deterministic=False: the same gradients, to rounding, with dQ added by the dK/dV kernel
+    (ragged lengths, Sq != Sk, GQA for half the masks, the LSE's gradient)."""
+    heads, kv_heads = (4, 2) if len(name) % 2 else (2, 2)
+    q, k, v = rand_qkv(2, heads, kv_heads, 100, 77, 24, torch.float32)
+    check_grads(q, k, v, ZOO[name](2, heads, 100, 77, DEVICE), dlse=True, fn=nondeterministic)
+
+
+def test_atomic_dq_with_topk_dropout_and_fully_masked_rows():
+    q, k, v = rand_qkv(1, 2, 2, 64, 100, 16, torch.float32)
+    check_grads(q, k, v, "causal", topk=7, fn=nondeterministic)
+    q, k, v = rand_qkv(1, 2, 1, 70, 50, 16, torch.float32)
+    dout = torch.randn_like(q)
+    torch.manual_seed(11)
+    got = grads(q, k, v, dout, "causal", fn=nondeterministic, dropout_p=0.3)
+    torch.manual_seed(11)
+    want = grads(q, k, v, dout, "causal", dropout_p=0.3)
+    for x, r in zip(got, want):
+        assert rel_error(x, r) <= 1e-5
+    # rows that see no key (keys 0..9 hidden from query rows 0..9 by a bottom-right causal mask)
+    q, k, v = rand_qkv(1, 2, 2, 40, 30, 16, torch.float32)
+    dq = grads(q, k, v, torch.randn_like(q), attngen.mask("causal", align="bottom_right"), fn=nondeterministic)[1]
+    assert not torch.isnan(dq).any() and (dq[:, :, :10] == 0).all()
+
+
+def test_deterministic_must_be_a_bool():
+    q, k, v = rand_qkv(1, 1, 1, 8, 8, 16, torch.float32)
+    with pytest.raises(TypeError, match="deterministic"):
+        attngen.attention(q, k, v, deterministic="no")
 
 
 def test_gradients_are_deterministic():
