@@ -101,12 +101,13 @@ FORWARD = KernelFamily(
 # ---------------------------------------------------------------------------------------
 # bwd: the backward kernels; a run is the forward (at the forward's fallback config) and the backward
 # ---------------------------------------------------------------------------------------
-def _backward_run(q, k, v, dout, mask, *, topk, config):
+def _backward_run(q, k, v, dout, mask, *, topk, config, deterministic=True):
     shape = check_qkv(q, k, v, kernel=True)
     scale, topk = check_scale(None, shape.head_dim), check_topk(topk, shape.kv_len)
     fwd_config = default_config("fwd", arch_of(q.device), shape.head_dim)
     out, lse, thr = forward(q, k, v, mask, shape, scale, topk, True, fwd_config)
-    return list(backward(q, k, v, out, lse, thr, dout, None, mask, shape, scale, config, fwd_config))
+    return list(backward(q, k, v, out, lse, thr, dout, None, mask, shape, scale, config, fwd_config,
+                         deterministic=deterministic))
 
 
 def _backward_reference(q, k, v, dout, mask, *, topk):

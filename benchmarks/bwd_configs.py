@@ -40,12 +40,14 @@ def main() -> int:
     p.add_argument("--shape", default="4,16,4096,128")
     p.add_argument("--masks", default="none,causal")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="time the backward with deterministic=False (dQ added atomically by the dK/dV kernel)")
     args = p.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(99)
     q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
-          f"B={b} H={h} S={s} D={d}")
+          f"B={b} H={h} S={s} D={d}, deterministic={not args.nondeterministic}")
     print("| mask | config | fwd+bwd ms | bwd ms (less the forward) | TFLOP/s fwd+bwd | max rel. error |")
     print("|---|---|---|---|---|---|")
     for mask_name in args.masks.split(","):
@@ -63,7 +65,8 @@ def main() -> int:
         for text in args.configs.split(","):
             config = parse_config(text)
             try:
-                run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=None, config=config)  # noqa: E731
+                run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=None, config=config,  # noqa: E731
+                                           deterministic=not args.nondeterministic)
                 grads = run()
                 error = max(float((x[:1, :2].double() - r).norm() / r.norm()) for x, r in zip(grads, refs))
                 ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")

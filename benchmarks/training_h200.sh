@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 23's GPU checks and figures on one H200, in one go (under 9 minutes), from the repository
+# root with attngen importable (PYTHONPATH=$PWD). Everything goes into OUT_DIR:
+#   tests.txt           the backward's GPU tests (kernels/test_backward.py, gpu-marked included:
+#                       a model shape in bf16 and fp16 for seven masks, deterministic=False, dropout)
+#   training.{txt,json} forward+backward of every case against SDPA cuDNN/flash, FlexAttention and
+#                       torch, with each kernel's GPU time (benchmarks/training.py --profile)
+#   bwd_atomic.txt      the backward's configs with deterministic=False (benchmarks/bwd_configs.py)
+# Usage: bash benchmarks/training_h200.sh OUT_DIR
+set -uo pipefail
+out=${1:?usage: training_h200.sh OUT_DIR}
+source "$(dirname "$0")/steps.sh"
+start "$out"
+
+step tests 150 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
+  -n 6 kernels/test_backward.py"
+step training 240 $py benchmarks/training.py --cases none,causal,window512,document,sparse10,dropout --profile --out "$out"
+step bwd_atomic 100 $py benchmarks/bwd_configs.py --masks none,causal --nondeterministic \
+  --configs 64x64x4x2,64x128x8x3,64x128x8x2,128x64x8x2
+tail -n 3 "$out/tests.txt"
+tail -n 30 "$out/training.txt"
+tail -n 10 "$out/bwd_atomic.txt"
