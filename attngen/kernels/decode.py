@@ -228,10 +228,23 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
         combine = dict(PART_O=part_o, PART_LSE=part_lse, **tensor_args("o", out, "bhmd"),
                        LSE=lse if lse is not None else out, **lse_strides, heads=shape.heads, q_len=shape.q_len,
                        group=shape.group, n_splits=splits)
-        launches.append(Launch(module.decode_combine, (programs,), combine,
+        columns, chunk = combine_tiles(block_m, block_d)
+        launches.append(Launch(module.decode_combine, (programs, block_d // columns), combine,
                                dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, STORE_LSE=lse is not None,
-                                    num_warps=4)))
+                                    CHUNK=chunk, COLUMNS=columns, num_warps=4)))
     return launches
+
+
+COMBINE_ELEMENTS = 4096  # partial-output elements a combine program reads at once (32 a thread on 4 warps)
+
+
+def combine_tiles(block_m: int, block_d: int) -> tuple[int, int]:
+    """(COLUMNS, CHUNK) of the combine kernel: a program joins 32 columns of the head dim (or all of a
+    smaller one) and reads CHUNK splits of them at once, COMBINE_ELEMENTS values in all (at least one
+    split)."""
+    columns = min(32, block_d)
+    chunk = max(1, COMBINE_ELEMENTS // (block_m * columns))
+    return columns, 1 << (chunk.bit_length() - 1)
 
 
 def scratch(device, programs: int, splits: int, block_m: int, block_d: int):

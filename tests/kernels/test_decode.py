@@ -12,7 +12,7 @@ from attngen import decoding
 from attngen.checks import Shape
 from attngen.config import KernelConfig
 from attngen.kernels import decode as decode_kernels
-from attngen.kernels.decode import Cache, decode_forward, split_count
+from attngen.kernels.decode import Cache, combine_tiles, decode_forward, split_count
 from helpers import DEVICE, assert_close, poisoned_like
 from masks_zoo import ZOO
 
@@ -73,6 +73,16 @@ def test_matches_the_reference(layout, q_len, group, splits, dtype):
         run_checked(q, k, v, lens_t, table, splits=splits)
     else:
         run_checked(q, k, v, lens_t, splits=splits)
+
+
+def test_many_splits_and_a_wide_head():
+    """The combine kernel reads its splits in chunks and a head dim 32 columns a program: 37 splits
+    (several chunks, the last one partial), a head dim of 80 (the last column program partial), and
+    a short sequence whose later splits see no key."""
+    g = torch.Generator().manual_seed(37)
+    q, k, v, lens = make_case(2, 4, 2, 1, 37 * 16 + 5, torch.float32, [37 * 16 + 5, 40], g, head_dim=80)
+    assert combine_tiles(16, 128) == (32, 8)
+    run_checked(q, k, v, lens, splits=37)
 
 
 @pytest.mark.parametrize("name", list(ZOO))
