@@ -5,8 +5,9 @@
 --masks takes benchmarks/training.py's case names (none, causal, window512, document, prefix1024,
 sparse10): the same masks as there, so the figures of both scripts compare.
 
-A config is BLOCK_M x BLOCK_N x warps x stages of the `bwd` family (dK/dV runs block_m x block_n
-tiles, dQ block_n x block_m; attngen.kernels.backward.tiles). For each mask and config: the forward
+A config is BLOCK_M x BLOCK_N x warps x stages of the `bwd` family, a trailing `t` for
+tensor-descriptor loads (dK/dV runs block_m x block_n tiles, dQ block_n x block_m;
+attngen.kernels.backward.tiles). For each mask and config: the forward
 at its fallback config and the backward at the config, checked against float64 autograd on batch
 0, heads 0-1, then timed (triton.testing.do_bench median), with the forward alone timed once per
 mask so that the backward's share is known. A config that fails to compile or run says why.
@@ -31,8 +32,10 @@ DEFAULT_CONFIGS = "32x128x4x3,32x128x4x2,64x128x8x2,32x64x4x3,64x64x4x2,16x128x4
 
 
 def parse_config(text: str) -> KernelConfig:
-    bm, bn, warps, stages = (int(x) for x in text.split("x"))
-    return KernelConfig(bm, bn, warps, stages)
+    """BLOCK_M x BLOCK_N x warps x stages, a trailing `t` for tensor-descriptor (TMA) loads: 64x64x4x2t."""
+    tma = text.endswith("t")
+    bm, bn, warps, stages = (int(x) for x in text.rstrip("t").split("x"))
+    return KernelConfig(bm, bn, warps, stages, use_tma=tma)
 
 
 def main() -> int:

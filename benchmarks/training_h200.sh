@@ -5,6 +5,7 @@
 #                       a model shape in bf16 and fp16 for seven masks, deterministic=False, dropout)
 #   training.{txt,json} forward+backward of every case against SDPA cuDNN/flash, FlexAttention and
 #                       torch, with each kernel's GPU time (benchmarks/training.py --profile)
+#   bwd_tma.txt         the backward's configs with tensor-descriptor loads against the fallback
 #   bwd_atomic.txt      the backward's configs with deterministic=False (benchmarks/bwd_configs.py)
 # Usage: bash benchmarks/training_h200.sh OUT_DIR
 set -uo pipefail
@@ -15,8 +16,11 @@ start "$out"
 step tests 150 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
   -n 6 kernels/test_backward.py"
 step training 240 $py benchmarks/training.py --cases none,causal,window512,document,sparse10,dropout --profile --out "$out"
+step bwd_tma 90 $py benchmarks/bwd_configs.py --masks none,causal,window512 \
+  --configs 64x64x4x2,64x64x4x2t,64x128x8x3t,64x128x8x2t
 step bwd_atomic 100 $py benchmarks/bwd_configs.py --masks none,causal --nondeterministic \
-  --configs 64x64x4x2,64x128x8x3,64x128x8x2,128x64x8x2
+  --configs 64x64x4x2,64x128x8x3,64x128x8x2,64x64x4x2t
 tail -n 3 "$out/tests.txt"
 tail -n 30 "$out/training.txt"
+tail -n 14 "$out/bwd_tma.txt"
 tail -n 10 "$out/bwd_atomic.txt"

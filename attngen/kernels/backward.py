@@ -16,7 +16,8 @@ import torch
 
 from .. import masks as masks_
 from ..config import KernelConfig, block_d_for
-from .launch import Launch, dims, dot_precision, mask_args, module_for, structure_args, tensor_args
+from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, mask_args, module_for, structure_args,
+                     tensor_args, tma_eligible)
 from .topk import TopkTuning, threshold_config
 
 TEMPLATE = "backward"  # templates/kernels/backward.py.jinja
@@ -37,6 +38,13 @@ def topk_config(forward: KernelConfig, device) -> KernelConfig:
     return threshold_config(forward, device, TopkTuning())
 
 
+def takes_tma(config: KernelConfig, thr, *tensors) -> bool:
+    """Whether a call's streamed tiles load through tensor descriptors: where its config says so,
+    not for top-k (its kernels run at the threshold kernels' tiles), and where the tensors' strides
+    and base pointers fit (tma_eligible)."""
+    return config.use_tma and thr is None and tma_eligible(*tensors)
+
+
 def dq_buffer(q) -> torch.Tensor:
     """The zeroed fp32 (B, Hq, Sq, D) buffer that dK/dV adds dQ's shares to when not deterministic."""
     return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -55,8 +63,11 @@ def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, conf
     if q.numel() == 0:  # no query (B, Hq or Sq is 0): no gradient reaches k and v
         return dq, dk.zero_(), dv.zero_()
     acc = None if deterministic else dq_buffer(q)
+    use_tma = takes_tma(config, thr, q, k, v, dout)
+    if use_tma:
+        ensure_allocator()
     for launch in backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale, config,
-                                    forward, dropout_p, seed, dq_acc=acc):
+                                    forward, dropout_p, seed, dq_acc=acc, use_tma=use_tma):
         launch()
     if acc is not None:
         dq.copy_(acc)
@@ -76,14 +87,22 @@ class BackwardPlan:
         acc = None if deterministic else dq_buffer(q)
         preprocess, dkdv, *dq_launch = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape,
                                                          scale, config, forward, dropout_p, dq_acc=acc)
+        # variant 1 loads through tensor descriptors: where the strides fit, for calls whose base
+        # pointers are aligned too (checked per call)
+        self.tma = takes_tma(config, thr, q, k, v, dout)
         self.rows = shape.batch * shape.heads * shape.q_len
         # dLSE (B, Hq, Sq) made contiguous, where given: these strides; else unused
         self.dlse_strides = (shape.heads * shape.q_len, shape.q_len)
         self.topk = thr is not None
         self._preprocess = preprocess.runner("O", "DO", "DLSE", "DELTA", "stride_lb", "stride_lh",
                                              variants=[preprocess.options, dict(preprocess.options, HAS_DLSE=True)])
-        self._dkdv = dkdv.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DK", "DV", "DQ_ACC", "seed")
-        self._dq = dq_launch[0].runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "seed") if deterministic else None
+        self._dkdv = dkdv.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DK", "DV", "DQ_ACC", "seed",
+                                 variants=self._variants(dkdv))
+        self._dq = dq_launch[0].runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "seed",
+                                       variants=self._variants(dq_launch[0])) if deterministic else None
+
+    def _variants(self, launch: Launch) -> list[dict]:
+        return [launch.options, dict(launch.options, USE_TMA=True)] if self.tma else [launch.options]
 
     def run(self, q, k, v, out, lse, thr, dout, dlse, seed: int = 0):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -93,22 +112,27 @@ class BackwardPlan:
         else:
             self._preprocess(out, dout, dlse.contiguous(), delta, *self.dlse_strides, variant=1)
         thr = thr if self.topk else delta
+        variant = 0
+        if self.tma and aligned(q, k, v, dout):
+            variant = 1
+            ensure_allocator()
         if self.deterministic:
-            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, delta, seed)
-            self._dq(q, k, v, dout, lse, delta, thr, dq, seed)
+            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, delta, seed, variant=variant)
+            self._dq(q, k, v, dout, lse, delta, thr, dq, seed, variant=variant)
         else:
             acc = dq_buffer(q)
-            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, acc, seed)
+            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, acc, seed, variant=variant)
             dq.copy_(acc)
         return dq, dk, dv
 
 
 def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale: float,
                       config: KernelConfig, forward: KernelConfig | None = None, dropout_p: float = 0.0,
-                      seed: int = 0, dq_acc: torch.Tensor | None = None) -> list[Launch]:
+                      seed: int = 0, dq_acc: torch.Tensor | None = None, use_tma: bool = False) -> list[Launch]:
     """The launches of `backward`, in order, writing into dq, dk and dv: the three of the
     deterministic backward; with `dq_acc` (dq_buffer's), the preprocessing and a dK/dV launch that
-    adds dQ into dq_acc atomically (the caller copies it into dq)."""
+    adds dQ into dq_acc atomically (the caller copies it into dq). `use_tma`: the streamed tiles
+    load through tensor descriptors (the caller checked takes_tma and set Triton's allocator)."""
     bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
                         device=q.device)
     module = module_for(TEMPLATE, mask)
@@ -135,7 +159,8 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                 **tensor_args("do", dout, "bhmd"), LSE=lse, DELTA=delta, THR=thr if topk else delta,
                 **dims(shape, scale), seed=seed, dropout_p=dropout_p, **mask_args(bound))
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), DOT_PRECISION=dot_precision(q.dtype),
-                   TOPK=topk, DROPOUT=dropout_p > 0, num_warps=config.num_warps, num_stages=config.num_stages)
+                   TOPK=topk, DROPOUT=dropout_p > 0, USE_TMA=use_tma, num_warps=config.num_warps,
+                   num_stages=config.num_stages)
 
     # dK and dV: a program per key block and key/value head
     by_key = masks_.block_structure(mask, shape.q_len, shape.kv_len, (bm1, bn1), batch=shape.batch,

@@ -130,6 +130,25 @@ def test_block_sparse_backward_visits_the_layout_only():
     assert (dk[:, :, 32:64] == 0).all() and (dv[:, :, 32:64] == 0).all()  # a hidden key gets no gradient
 
 
+@pytest.mark.parametrize("name", ["none", "causal", "sliding_window", "document"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_tma_loads_give_the_same_gradients(name, deterministic):
+    """The backward's streamed tiles through tensor descriptors: the same bits as through pointers
+    (ragged lengths, Sq != Sk, GQA, a head dim of 24 inside 32-column tiles), and right."""
+    q, k, v = rand_qkv(2, 4, 2, 100, 77, 24, torch.float32)
+    mask = attngen.masks.as_mask(ZOO[name](2, 4, 100, 77, DEVICE))
+    shape = check_qkv(q, k, v, kernel=True)
+    config = KernelConfig(32, 32, 4, 1)
+    out, lse, _ = forward(q, k, v, mask, shape, 24 ** -0.5, 0, True, config)
+    dout = torch.randn_like(q)
+    plain = backward(q, k, v, out, lse, None, dout, None, mask, shape, 24 ** -0.5, config, deterministic=deterministic)
+    tma = backward(q, k, v, out, lse, None, dout, None, mask, shape, 24 ** -0.5,
+                   KernelConfig(32, 32, 4, 1, use_tma=True), deterministic=deterministic)
+    for a, b in zip(plain, tma):
+        assert torch.equal(a, b) if deterministic else rel_error(a, b) <= 1e-6
+    check_grads(q, k, v, mask)
+
+
 def test_tiles_of_the_two_kernels():
     assert tiles(KernelConfig(32, 128, 4, 3)) == ((32, 128), (128, 32))
 
