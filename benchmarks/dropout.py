@@ -1,0 +1,80 @@
+"""Dropout's cost: attngen.attention forward+backward at p=0 and at p (0.1) on one GPU, at chosen
+backward configs, with each kernel's GPU time: how dropout generators and tiles were compared.
+
+    python benchmarks/dropout.py [--shape 4,16,4096,128] [--p 0.1] [--bwd-configs 64x64x4x2,64x128x8x3] [--no-rules] [--out DIR]
+
+bf16, fresh torch.randn inputs and upstream gradient. A backward config (BLOCK_M x BLOCK_N x warps
+x stages, a trailing `t` for tensor-descriptor loads) is set as the sm90 fallback of
+attngen.config.DEFAULTS, and the dispatcher's caches are cleared, for each; `--no-rules` also turns
+off the dispatcher's dropout rule (attngen.families.BACKWARD.fit_dropout), so p=0 and p run at the
+very same tiles. Each step is timed with triton.testing.do_bench medians, then profiled
+(attngen.tools.timing.kernel_times). The dropout mask is checked against its reference elsewhere
+(tests/kernels/test_backward.py); here only its time counts. Writes dropout.json into --out and
+prints a table last. A/B of two generators: run it on the two trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+import attngen
+from attngen.config import DEFAULTS
+from attngen.families import BACKWARD
+from attngen.tools.timing import kernel_times
+from bwd_configs import parse_config
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="4,16,4096,128", help="B,H,S,D")
+    p.add_argument("--p", type=float, default=0.1, help="the dropout probability compared with 0")
+    p.add_argument("--bwd-configs", default="64x64x4x2,64x128x8x3")
+    p.add_argument("--no-rules", action="store_true", help="no dropout rule: p runs at the same tiles as p=0")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    b, h, s, d = (int(x) for x in args.shape.split(","))
+    if args.no_rules:
+        object.__setattr__(BACKWARD, "fit_dropout", lambda config: (config, ""))
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16)
+    rows = []
+    row_index = next(i for i, (max_d, _) in enumerate(DEFAULTS["bwd"]["sm90"]) if d <= max_d)
+    for text in args.bwd_configs.split(","):
+        DEFAULTS["bwd"]["sm90"][row_index] = (DEFAULTS["bwd"]["sm90"][row_index][0], parse_config(text))
+        attngen.dispatch.use_registry(None)  # clears the dispatcher's choices and the prepared plans
+        for prob in (0.0, args.p):
+            def step(prob=prob):
+                out = attngen.attention(q, k, v, dropout_p=prob)
+                return torch.autograd.grad(out, (q, k, v), dout)
+            step()
+            ms = float(triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median"))
+            row = dict(bwd_config=text, p=prob, ms=ms, kernels_ms=kernel_times(step, calls=10))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    env = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, shape=dict(B=b, H=h, S=s, D=d), rules=not args.no_rules)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dropout.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1) + "\n")
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, bf16, B={b} H={h} S={s} D={d}, "
+          f"dropout rules {'on' if env['rules'] else 'off'}")
+    print("| backward config | p | ms | forward | dK/dV | dQ |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        kt = r["kernels_ms"]
+        print(f"| {r['bwd_config']} | {r['p']} | {r['ms']:.3f} | {kt.get('attention_fwd', 0):.3f} | "
+              f"{kt.get('attention_bwd_dkdv', 0):.3f} | {kt.get('attention_bwd_dq', 0):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
