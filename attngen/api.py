@@ -35,12 +35,16 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
     deterministic: True (the default): two backward passes on the same inputs give the same bits.
     False: the dK/dV kernel also adds dQ's shares with atomics and the dQ kernel is skipped (two
-    fewer matrix products a tile), and dQ's rounding varies from run to run.
+    fewer matrix products a tile), and dQ's rounding varies from run to run; under
+    torch.use_deterministic_algorithms(True) the deterministic kernels run instead, as torch's own
+    operators with a deterministic alternative do.
     """
     if type(return_lse) is not bool:  # before the fast path: a plan keyed by True must not take 'yes'
         check_flag("return_lse", return_lse)
     if type(deterministic) is not bool:
         check_flag("deterministic", deterministic)
+    if not deterministic and torch.are_deterministic_algorithms_enabled():
+        deterministic = True
     if torch.compiler.is_compiling():  # torch.compile / export record the attngen::attention operator
         return ops.attention(q, k, v, mask, scale=scale, return_lse=return_lse, topk=topk, dropout_p=dropout_p,
                              deterministic=deterministic)

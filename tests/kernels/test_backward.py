@@ -180,6 +180,22 @@ def test_atomic_dq_with_topk_dropout_and_fully_masked_rows():
     assert not torch.isnan(dq).any() and (dq[:, :, :10] == 0).all()
 
 
+def test_torchs_deterministic_mode_runs_the_deterministic_kernels():
+    """deterministic=False under torch.use_deterministic_algorithms(True): the deterministic
+    kernels' very bits (the atomic path's dQ rounds differently, checked first)."""
+    q, k, v = rand_qkv(1, 2, 2, 40, 40, 16, torch.float32)
+    dout = torch.randn_like(q)
+    plain = grads(q, k, v, dout, "causal")
+    assert not torch.equal(grads(q, k, v, dout, "causal", fn=nondeterministic)[1], plain[1])
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        strict = grads(q, k, v, dout, "causal", fn=nondeterministic)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(a, b) for a, b in zip(strict, plain))
+
+
 def test_deterministic_must_be_a_bool():
     q, k, v = rand_qkv(1, 1, 1, 8, 8, 16, torch.float32)
     with pytest.raises(TypeError, match="deterministic"):
