@@ -9,7 +9,9 @@ first compared with per-sequence float32 SDPA (math backend); the forward, and t
 backward (autograd.grad of the output with a fixed random gradient), are then timed with
 triton.testing.do_bench medians. attngen and FlexAttention reuse their block classification
 (a model's layers share one packing): built once, outside the timing, as FlexAttention's
-create_block_mask is. Writes varlen.json into --out and prints the table last.
+create_block_mask is. attngen runs twice: deterministic (its default) and deterministic=False, whose
+dQ is added with atomics as FA2's backward adds it (torch's default). Writes varlen.json into --out
+and prints the table last.
 """
 
 from __future__ import annotations
@@ -102,8 +104,12 @@ def main(argv=None) -> int:
     def attngen_fn(q, k, v):
         return attngen.varlen_attention(q, k, v, cu, cu, max_len, max_len, mask="causal")
 
+    def attngen_atomic(q, k, v):  # FA2's backward adds dQ with atomics too (torch's default, non-deterministic)
+        return attngen.varlen_attention(q, k, v, cu, cu, max_len, max_len, mask="causal", deterministic=False)
+
     rows = []
-    for name, fn in (("FA2 varlen (aten)", fa2), ("FlexAttention document", flex_fn), ("attngen varlen", attngen_fn)):
+    for name, fn in (("FA2 varlen (aten)", fa2), ("FlexAttention document", flex_fn), ("attngen varlen", attngen_fn),
+                     ("attngen varlen, deterministic=False", attngen_atomic)):
         row = {"method": name}
         try:
             out = fn(q, k, v)
@@ -128,12 +134,12 @@ def main(argv=None) -> int:
                 lengths=lens, mask="causal inside each sequence")
     (args.out / "varlen.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"varlen: total {t}, {len(lens)} sequences {lens}, H={h}, D={d}, bf16, causal in each")
-    print(f"{'method':26s} {'rel err':>9s} {'fwd ms':>8s} {'fwd+bwd ms':>11s}")
+    print(f"{'method':36s} {'rel err':>9s} {'fwd ms':>8s} {'fwd+bwd ms':>11s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['method']:26s} {r['error']}")
+            print(f"{r['method']:36s} {r['error']}")
         else:
-            print(f"{r['method']:26s} {r['rel_error']:9.2e} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f}")
+            print(f"{r['method']:36s} {r['rel_error']:9.2e} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f}")
     return 0
 
 
