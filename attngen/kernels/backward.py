@@ -59,26 +59,17 @@ def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, conf
     `forward`: the forward's config, for top-k calls (see topk_config); `dropout_p` and `seed`: the
     forward's dropout, which the kernels regenerate. `deterministic=False`: dK/dV adds dQ's shares
     with atomics and there is no dQ launch (bits may differ from run to run)."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:  # no query (B, Hq or Sq is 0): no gradient reaches k and v
-        return dq, dk.zero_(), dv.zero_()
-    acc = None if deterministic else dq_buffer(q)
-    use_tma = takes_tma(config, thr, q, k, v, dout)
-    if use_tma:
-        ensure_allocator()
-    for launch in backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale, config,
-                                    forward, dropout_p, seed, dq_acc=acc, use_tma=use_tma):
-        launch()
-    if acc is not None:
-        dq.copy_(acc)
-    return dq, dk, dv
+        return torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    plan = BackwardPlan(q, k, v, out, lse, thr, dout, mask, shape, scale, config, forward, dropout_p, deterministic)
+    return plan.run(q, k, v, out, lse, thr, dout, dlse, seed)
 
 
 class BackwardPlan:
     """The backward's three launches prepared once per call signature (and dO's strides): per call
     only q, k, v, the forward's output, LSE and thresholds, dO, dLSE, the dropout seed and the new
     dQ, dK, dV change, and they go straight to the prepared runners (`Launch.runner`). Built from
-    one call's tensors, it keeps none of them. Gives the same results as `backward`, bit for bit."""
+    one call's tensors, it keeps none of them. `backward` runs one for a single call."""
 
     def __init__(self, q, k, v, out, lse, thr, dout, mask, shape, scale: float, config: KernelConfig,
                  forward: KernelConfig | None = None, dropout_p: float = 0.0, deterministic: bool = True):
