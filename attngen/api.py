@@ -95,8 +95,8 @@ def _train_plan(q, k, v, m, shape, scale, topk, dropout_p, deterministic) -> Tra
     """The TrainPlan of a call with gradients (checked arguments)."""
     check_mask_grads(m)
     check_modifiers(m)
-    return TrainPlan(q, k, v, m, shape, scale, topk, *dispatch.train_configs(q, shape, m, topk, dropout_p), dropout_p,
-                     deterministic)
+    configs = dispatch.train_configs(q, shape, m, topk, dropout_p, deterministic)
+    return TrainPlan(q, k, v, m, shape, scale, topk, *configs, dropout_p, deterministic)
 
 
 def _checked(q, k, v, m, scale, return_lse, topk, dropout_p, grad, deterministic):

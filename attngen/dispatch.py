@@ -105,9 +105,10 @@ def registry_for(gpu: str) -> registry_.Registry:
 
 
 def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mask | None, topk: int = 0,
-                  dropout: bool = False, paged: bool = False) -> Choice:
+                  dropout: bool = False, paged: bool = False, atomic_dq: bool = False) -> Choice:
     """The config `family` runs a call with (checked inputs; topk as check_topk returns it; dropout:
-    whether the call drops weights, which some tiles cannot afford the registers for; paged: a
+    whether the call drops weights, and atomic_dq whether its backward adds dQ atomically
+    (deterministic=False), which some tiles cannot afford the registers for; paged: a
     decode call over a paged cache, which takes the defaults: the tuner times contiguous caches,
     and a paged cache's gathered rows want other tiles than a contiguous one's)."""
     bucket = registry_.seq_bucket(shape.kv_len)
@@ -117,7 +118,8 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     dropout = dropout and not topk  # top-k runs every kernel at the forward's tiles: nothing to adapt
     table = family.table(shape, q.device)
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
-                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout, table, paged)
+                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout, table, paged,
+                 atomic_dq)
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
@@ -137,8 +139,9 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     config, note = family.fit(config, shape.q_len)
     if note:
         source += f"; {note}"
-    if dropout:
-        config, note = family.fit_dropout(config)
+    wide = "dropout" if dropout else "atomic dQ" if atomic_dq else ""
+    if wide:
+        config, note = family.fit_wide(config, wide)
         if note:
             source += f"; {note}"
     choice = _choices.put(cache_key, Choice(config, source, variant, family.name), generation)
@@ -147,12 +150,12 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     return choice
 
 
-def train_configs(q: torch.Tensor, shape, mask: masks_.Mask | None, topk: int,
-                  dropout_p: float) -> tuple[KernelConfig, KernelConfig]:
+def train_configs(q: torch.Tensor, shape, mask: masks_.Mask | None, topk: int, dropout_p: float,
+                  deterministic: bool = True) -> tuple[KernelConfig, KernelConfig]:
     """(forward config, backward config) of a call with gradients (checked inputs), as
     attngen.kernels.autograd.TrainPlan takes them."""
     return (choose_config(FORWARD, q, shape, mask, topk, dropout_p > 0).config,
-            choose_config(BACKWARD, q, shape, mask, topk, dropout_p > 0).config)
+            choose_config(BACKWARD, q, shape, mask, topk, dropout_p > 0, atomic_dq=not deterministic).config)
 
 
 def choose(q, k, v, mask=None, *, topk=None, kernel: str = "fwd") -> Choice:

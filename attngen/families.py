@@ -38,8 +38,9 @@ class KernelFamily:
     reference: Callable  # (*inputs, mask, *, topk) -> [the outputs in float64, attngen.reference]
     flops: Callable  # (mask, batch, heads, q_len, kv_len, head_dim, device) -> FLOPs of one run
     fit: Callable  # (config, q_len) -> (config, note): the chosen config adapted to one call's shape
-    # (config) -> (config, note): the config adapted to a call with dropout (without top-k)
-    fit_dropout: Callable = lambda config: (config, "")
+    # (config, why) -> (config, note): the config adapted to a call whose kernels hold more per tile
+    # (why: "dropout", without top-k; "atomic dQ", deterministic=False)
+    fit_wide: Callable = lambda config, why: (config, "")
     query_len: int | None = None  # the tuner's query length: None for Sq = Sk, else this many new tokens
     per_batch: bool = False  # registry entries per batch bucket (else one entry serves every batch)
     # (shape, device) -> the attngen.config.DEFAULTS key of a call's fallback config (None: the name)
@@ -122,13 +123,14 @@ def _backward_flops(mask, batch, heads, q_len, kv_len, head_dim, device) -> int:
     return int(attention_flops(mask, batch, heads, q_len, kv_len, head_dim, device) * (1 + BWD_FACTOR))
 
 
-def _backward_fit_dropout(config: KernelConfig) -> tuple[KernelConfig, str]:
-    """Under dropout the dK/dV kernel needs registers for the random bits: on 4 warps it spills them
-    (sm_90, D 128, 64 x 64 tiles: 1100 bytes a thread; attngen.tools.cross_compile), so it takes 8
-    warps, 128-key blocks and 3 stages (an H200, bf16, B=4 H=16 S=4096, p = 0.1: 6.53 ms against
-    7.24 at 64 x 64 on 4 warps; benchmarks/RESULTS.md)."""
+def _backward_fit_wide(config: KernelConfig, why: str) -> tuple[KernelConfig, str]:
+    """Under dropout the dK/dV kernel needs registers for the random bits, and with the atomic dQ
+    (deterministic=False) for a dQ tile: on 4 warps it spills them (sm_90, D 128, 64 x 64 tiles:
+    1100 and 888 bytes a thread, against 480 without either; attngen.tools.cross_compile), so it
+    takes 8 warps, 128-key blocks and 3 stages (an H200, bf16, B=4 H=16 S=4096: p = 0.1, 6.53 ms
+    against 7.24 at 64 x 64 on 4 warps; atomic dQ, 5.10 against 8.69; benchmarks/RESULTS.md)."""
     if config.num_warps < 8 and config.block_m <= 64:
-        return replace(config, block_n=128, num_warps=8, num_stages=3), "8 warps, 128-key blocks under dropout"
+        return replace(config, block_n=128, num_warps=8, num_stages=3), f"8 warps, 128-key blocks under {why}"
     return config, ""
 
 
@@ -144,7 +146,7 @@ BACKWARD = KernelFamily(
     reference=_backward_reference,
     flops=_backward_flops,
     fit=lambda config, q_len: (config, ""),
-    fit_dropout=_backward_fit_dropout,
+    fit_wide=_backward_fit_wide,
 )
 
 

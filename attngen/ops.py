@@ -61,7 +61,7 @@ def _plan(q, k, v, spec: str, tensors: list[Tensor], scale, topk, dropout_p, det
         m, shape, scale, topk = _checked(q, k, v, spec, tensors, scale, topk)
         dropout_p = check_dropout(dropout_p)
         generation = plans.generation  # read before the choice: a registry change meanwhile drops the plan
-        configs = dispatch.train_configs(q, shape, m, topk, dropout_p)
+        configs = dispatch.train_configs(q, shape, m, topk, dropout_p, deterministic)
         plan = plans.put(key, TrainPlan(q, k, v, m, shape, scale, topk, *configs, dropout_p, deterministic), generation)
     return plan
 

@@ -6,7 +6,7 @@ backward configs, with each kernel's GPU time: how dropout generators and tiles 
 bf16, fresh torch.randn inputs and upstream gradient. A backward config (BLOCK_M x BLOCK_N x warps
 x stages, a trailing `t` for tensor-descriptor loads) is set as the sm90 fallback of
 attngen.config.DEFAULTS, and the dispatcher's caches are cleared, for each; `--no-rules` also turns
-off the dispatcher's dropout rule (attngen.families.BACKWARD.fit_dropout), so p=0 and p run at the
+off the dispatcher's dropout rule (attngen.families.BACKWARD.fit_wide), so p=0 and p run at the
 very same tiles. Each step is timed with triton.testing.do_bench medians, then profiled
 (attngen.tools.timing.kernel_times). The dropout mask is checked against its reference elsewhere
 (tests/kernels/test_backward.py); here only its time counts. Writes dropout.json into --out and
@@ -41,7 +41,7 @@ def main() -> int:
     args = p.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
     if args.no_rules:
-        object.__setattr__(BACKWARD, "fit_dropout", lambda config: (config, ""))
+        object.__setattr__(BACKWARD, "fit_wide", lambda config, why: (config, ""))
     g = torch.Generator(device="cuda").manual_seed(1234)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
                for _ in range(3))

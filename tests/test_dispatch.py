@@ -198,7 +198,10 @@ def test_dropout_calls_take_backward_tiles_that_do_not_spill(tmp_path, clean_dis
     assert backward.source.endswith("; 8 warps, 128-key blocks under dropout")
     topk = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, topk=8)
     assert dispatch.choose_config(FAMILIES["bwd"], q, shape, None, topk=8, dropout=True).config == topk.config
-    assert FAMILIES["bwd"].fit_dropout(KernelConfig(64, 128, 8, 2)) == (KernelConfig(64, 128, 8, 2), "")
+    assert FAMILIES["bwd"].fit_wide(KernelConfig(64, 128, 8, 2), "dropout") == (KernelConfig(64, 128, 8, 2), "")
+    atomic = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, atomic_dq=True)
+    assert atomic.config == KernelConfig(64, 128, 8, 3)
+    assert atomic.source.endswith("; 8 warps, 128-key blocks under atomic dQ")
     # a training call at those configs: output and gradients against float64 autograd with its mask
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 200, 200, 32, torch.float16))
     state = torch.get_rng_state()
