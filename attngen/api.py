@@ -35,7 +35,8 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
     deterministic: True (the default): two backward passes on the same inputs give the same bits.
     False: the dK/dV kernel also adds dQ's shares with atomics and the dQ kernel is skipped (two
-    fewer matrix products a tile), and dQ's rounding varies from run to run; under
+    fewer matrix products a tile; on an H200 no faster, as the atomics cost as much: see
+    benchmarks/RESULTS.md), and dQ's rounding varies from run to run; under
     torch.use_deterministic_algorithms(True) the deterministic kernels run instead, as torch's own
     operators with a deterministic alternative do.
     """
