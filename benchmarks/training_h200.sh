@@ -14,13 +14,13 @@ out=${1:?usage: training_h200.sh OUT_DIR}
 source "$(dirname "$0")/steps.sh"
 start "$out"
 
-step tests 130 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
-  -n 6 kernels/test_backward.py"
-step training 200 $py benchmarks/training.py --cases none,causal,window512,document,dropout --profile --out "$out"
-step varlen 80 $py benchmarks/varlen.py --out "$out"
-step bwd_tma 70 $py benchmarks/bwd_configs.py --masks none,causal,window512 \
+step tests 230 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
+  -n 8 kernels/test_backward.py"
+step training 150 $py benchmarks/training.py --cases none,causal,window512,document,dropout --profile --out "$out"
+step varlen 60 $py benchmarks/varlen.py --out "$out"
+step bwd_tma 60 $py benchmarks/bwd_configs.py --masks none,causal,window512 \
   --configs 64x64x4x2,64x64x4x2t,64x128x8x3t,64x128x8x2t
-step bwd_atomic 70 $py benchmarks/bwd_configs.py --masks none,causal --nondeterministic \
+step bwd_atomic 50 $py benchmarks/bwd_configs.py --masks none,causal --nondeterministic \
   --configs 64x64x4x2,64x128x8x3,64x128x8x2,64x64x4x2t
 tail -n 3 "$out/tests.txt"
 tail -n 30 "$out/training.txt"
