@@ -235,17 +235,22 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
     return launches
 
 
-COMBINE_ELEMENTS = 16384  # at most this many partial-output elements a combine program reads at once
+# partial-output elements a combine program reads at once: 16384 for a tile of 16 rows (one new
+# token of up to 16 query heads: 237 registers a thread on sm_90, no spill), 4096 for larger tiles
+# (16384 spills 600-1500 bytes a thread at 32 to 128 rows; attngen.tools.cross_compile)
+COMBINE_ELEMENTS_16_ROWS = 16384
+COMBINE_ELEMENTS = 4096
 
 
 def combine_tiles(block_m: int, block_d: int, splits: int) -> tuple[int, int]:
     """(COLUMNS, CHUNK) of the combine kernel: a program joins 32 columns of the head dim (or all of a
-    smaller one) and reads CHUNK splits of them at once: all of them where COMBINE_ELEMENTS allows
-    (each round of loads waits for the one before: an H200 at batch 1, 29 splits, took 7.9 µs in
-    8-split chunks, 5.0 in one), and no more than the call has (a chunk of 32 for 4 splits took 5.9
-    µs against 3.6 for 8: the masked-off splits cost too)."""
+    smaller one) and reads CHUNK splits of them at once: all of them where the element budget above
+    allows (each round of loads waits for the one before: an H200 at batch 1, 29 splits, took 7.9 µs
+    in 8-split chunks, 5.0 in one), and no more than the call has (a chunk of 32 for 4 splits took
+    5.9 µs against 3.6 for 8: the masked-off splits cost too)."""
     columns = min(32, block_d)
-    most = max(1, COMBINE_ELEMENTS // (block_m * columns))
+    elements = COMBINE_ELEMENTS_16_ROWS if block_m == 16 else COMBINE_ELEMENTS
+    most = max(1, elements // (block_m * columns))
     return columns, min(1 << (most.bit_length() - 1), 1 << (splits - 1).bit_length())
 
 

@@ -82,7 +82,8 @@ def test_many_splits_and_a_wide_head():
     g = torch.Generator().manual_seed(37)
     q, k, v, lens = make_case(2, 4, 2, 1, 37 * 16 + 5, torch.float32, [37 * 16 + 5, 40], g, head_dim=80)
     assert combine_tiles(16, 128, 37) == (32, 32) and combine_tiles(16, 128, 4) == (32, 4)
-    assert combine_tiles(128, 128, 37) == (32, 4) and combine_tiles(16, 64, 3) == (32, 4)
+    assert combine_tiles(128, 128, 37) == (32, 1) and combine_tiles(32, 128, 37) == (32, 4)
+    assert combine_tiles(16, 64, 3) == (32, 4)
     run_checked(q, k, v, lens, splits=37)
 
 
