@@ -115,11 +115,11 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     rows = min(query_rows(shape.q_len), 1 << 20)
     group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
     batch = family.batch_bucket(shape.batch)
-    dropout = dropout and not topk  # top-k runs every kernel at the forward's tiles: nothing to adapt
+    # what makes the kernels hold more a tile (top-k runs every kernel at the forward's tiles: nothing to adapt)
+    wide = "" if topk else "dropout" if dropout else "atomic dQ" if atomic_dq else ""
     table = family.table(shape, q.device)
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
-                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, dropout, table, paged,
-                 atomic_dq)
+                 mask.key if mask is not None else None, rows, topk_pad(topk), batch, wide, table, paged)
     choice = _choices.get(cache_key)
     if choice is not None:
         return choice
@@ -139,7 +139,6 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     config, note = family.fit(config, shape.q_len)
     if note:
         source += f"; {note}"
-    wide = "dropout" if dropout else "atomic dQ" if atomic_dq else ""
     if wide:
         config, note = family.fit_wide(config, wide)
         if note:

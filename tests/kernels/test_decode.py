@@ -77,8 +77,8 @@ def test_matches_the_reference(layout, q_len, group, splits, dtype):
 
 def test_many_splits_and_a_wide_head():
     """The combine kernel reads its splits in chunks and a head dim 32 columns a program: 37 splits
-    (two chunks of 32, the last one partial), a head dim of 80 (the last column program partial), and
-    a short sequence whose later splits see no key."""
+    (two chunks of 32, the last one partial), a head dim of 80 (the last column program partial),
+    and a short sequence whose later splits see no key."""
     g = torch.Generator().manual_seed(37)
     q, k, v, lens = make_case(2, 4, 2, 1, 37 * 16 + 5, torch.float32, [37 * 16 + 5, 40], g, head_dim=80)
     assert combine_tiles(16, 128, 37) == (32, 32) and combine_tiles(16, 128, 4) == (32, 4)
