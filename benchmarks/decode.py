@@ -6,6 +6,8 @@ efficient backends, FlexAttention and, where its wheel is installed, FlashInfer'
 Shapes: bf16, Hq 32, Hkv 8, D 128, one new token per sequence, every sequence full (B x S keys).
 `attngen.attention` is the same call through attngen.attention (a short query runs on the decode
 kernels; before 2026-12-03 it ran the forward kernel: 201, 1380 and 260 µs on the three cases).
+`attngen_nopdl`, `attngen_paged_nopdl`: attngen.decode's kernels with the combine kernel launched
+after the split kernel instead of as its programmatic dependent (the A/B of that launch).
 Every method's output is first compared with attngen.reference.decode (float64); then each is
 timed with triton.testing.do_bench medians. K+V bytes per call exceed the L2 (every shape here
 reads 256 MiB), so the inputs are not rotated. GB/s counts the K+V bytes a call must read; the
@@ -94,7 +96,21 @@ def methods(q, k, v, lens, pool_k, pool_v, table, page):
     out["attngen.attention"] = lambda: attngen.attention(q, k, v)  # a short query: the decode kernels too
     out["attngen"] = lambda: attngen.decode(q, k, v, lens, validate=False)
     out["attngen_paged"] = lambda: attngen.decode(q, pool_k, pool_v, lens, block_table=table, validate=False)
+    # the A/B of the combine's programmatic dependent launch: the same config and splits without it
+    out["attngen_nopdl"] = without_pdl(q, k, v, lens, None)
+    out["attngen_paged_nopdl"] = without_pdl(q, pool_k, pool_v, lens, table)
     return out
+
+
+def without_pdl(q, k, v, lens, table):
+    """attngen.decode's call with the combine kernel launched after the split kernel, not as its
+    programmatic dependent."""
+    from attngen.kernels.decode import DecodePlan, check_decode
+
+    shape, cache = check_decode(q, k, v, lens, table)
+    config = attngen.dispatch.choose_config(attngen.families.DECODE, q, shape, None, paged=cache.paged).config
+    plan = DecodePlan(q, k, v, table, lens, None, shape, cache, D ** -0.5, False, config, pdl=False)
+    return lambda: plan.run(q, k, v, table, lens)[0]
 
 
 def host_time(device) -> dict:
@@ -133,7 +149,8 @@ def main(argv=None) -> int:
     parser.add_argument("--page", type=int, default=16, help="rows per page of the paged cache (default 16)")
     parser.add_argument("--profile", action="store_true",
                         help="also print the GPU time of each kernel of SDPA flash and attngen (torch.profiler) "
-                             "next to the do_bench time, per case")
+                             "next to the do_bench time, per case (a programmatic dependent's time, attngen's "
+                             "combine on sm_90, includes its wait for the split kernel)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -183,7 +200,7 @@ def main(argv=None) -> int:
         if args.profile:
             entry["kernels_us"] = {}
             fns = methods(q, k, v, lens, pool_k, pool_v, table, args.page)
-            for name in ("sdpa_flash", "attngen", "attngen_paged"):
+            for name in ("sdpa_flash", "attngen", "attngen_paged", "attngen_nopdl", "attngen_paged_nopdl"):
                 if "ms" in entry["methods"].get(name, {}):
                     kernels = {key: ms * 1e3 for key, ms in kernel_times(fns[name]).items()}
                     entry["kernels_us"][name] = kernels

@@ -155,6 +155,12 @@ def sm_count(device: torch.device) -> int:
     return count
 
 
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched as programmatic dependents (griddepcontrol):
+    a CUDA device of compute capability 9.0 or later, not the interpreter."""
+    return device.type == "cuda" and not interpreter_on() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pairs_fill(shape: Shape, sms: int) -> bool:
     """Whether a call's (sequence, key/value head) pairs alone fill 80% of two program slots per SM:
     such calls are never split, and take the "decode_full" defaults (attngen.config.DEFAULTS)."""
@@ -167,19 +173,30 @@ def default_table(shape: Shape, device: torch.device) -> str:
 
 
 def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> int:
-    """The split rule: how many programs share each (sequence, key/value head)'s keys. Programs fill
-    two slots per SM; a split count n is worth its (B * Hkv * n) programs' share of full waves, and
-    the rule takes the smallest n within 85% of the best such share (FlashAttention's split-KV
-    heuristic), never splits shorter than config.block_m keys of the cache's capacity, and none when
-    the (sequence, head) pairs alone fill 80% of the slots. Each program then takes an equal share
-    of its own sequence's length (in the kernel), so lengths that change never change the grid."""
+    """The split rule: how many programs share each (sequence, key/value head)'s keys. Each program
+    takes an equal share of the keys in whole tiles (at least config.block_m keys: the kernel's
+    rule, over the cache's capacity here), and programs run in waves of two per SM; a count n costs
+    its waves times its share (the busiest SM's keys), and the rule takes the cheapest, the fewest
+    splits among those within 1% of it. No split when the (sequence, head) pairs alone fill 80% of
+    the slots. On an H200 (batch 1, 64k keys, 8 heads, 128-key tiles) the cost's order was the
+    time's: 32 splits 81.1 µs, 31 81.9, 29 82.7, 26 82.7, 24 84.4, 40 86.4, 36 88.2, 16 90.4; 33
+    splits, tied with 32 but with an empty split a head, took 83.9. The rule reads only sizes the
+    host knows; each program then shares out its own sequence's length in the kernel, so lengths
+    that change never change the grid."""
     programs, slots = shape.batch * shape.kv_heads, 2 * sms
     most = max(1, math.ceil(cache.capacity / max(config.block_m, config.block_n)))
     if pairs_fill(shape, sms) or most == 1:
         return 1
-    share = [programs * n / (math.ceil(programs * n / slots) * slots) for n in range(1, most + 1)]
-    best = max(share)
-    return next(n for n, s in enumerate(share, 1) if s >= 0.85 * best)
+    tile = config.block_n
+    fewest = math.ceil(config.block_m / tile) * tile
+
+    def cost(n: int) -> int:
+        share = max(math.ceil(math.ceil(cache.capacity / n) / tile) * tile, fewest)
+        return math.ceil(programs * n / slots) * share
+
+    costs = [cost(n) for n in range(1, most + 1)]
+    cheapest = min(costs)
+    return next(n for n, c in enumerate(costs, 1) if c <= 1.01 * cheapest)
 
 
 def takes_short_query(shape: Shape, topk: int, dropout_p: float) -> bool:
@@ -198,13 +215,17 @@ def rows_tile(shape: Shape) -> int:
 
 
 def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape: Shape, cache: Cache,
-                    scale: float, config: KernelConfig, splits: int, from_end: bool = True) -> list[Launch]:
+                    scale: float, config: KernelConfig, splits: int, from_end: bool = True,
+                    pdl: bool | None = None) -> list[Launch]:
     """The launches of one call: the split kernel, and with splits > 1 the combine kernel; the
     partial results go to scratch tensors made here (the plan makes its own per call). `from_end`:
-    attngen.decode's positions (the new tokens at the sequence's end), else attngen.attention's."""
+    attngen.decode's positions (the new tokens at the sequence's end), else attngen.attention's.
+    `pdl`: launch the combine kernel as a programmatic dependent of the split kernel (default:
+    where the device has it, `pdl_available`)."""
     module = module_for(TEMPLATE, bound.mask if bound is not None else None)
     block_m, block_d = rows_tile(shape), block_d_for(shape.head_dim)
     split = splits > 1
+    pdl = split and (pdl_available(q.device) if pdl is None else pdl)
     programs = shape.batch * shape.kv_heads
     part_o, part_lse = [new() for new in scratch(q.device, programs, splits, block_m, block_d)] if split else (out, out)
     kp, ks, kh, kd = cache.row_strides(k_cache)
@@ -221,7 +242,7 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
                 sm_scale=scale, **mask_args(bound))
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=config.block_n,
                    PAGED=cache.paged, SPLIT=split, STORE_LSE=lse is not None, DOT_PRECISION=dot_precision(q.dtype),
-                   FROM_END=from_end, WHOLE_PAGES=cache.paged and cache.page_size % config.block_n == 0,
+                   FROM_END=from_end, WHOLE_PAGES=cache.paged and cache.page_size % config.block_n == 0, PDL=pdl,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     launches = [Launch(module.decode_fwd, (splits, programs), args, options)]
     if split:
@@ -231,12 +252,12 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
         columns, chunk = combine_tiles(block_m, block_d, splits)
         launches.append(Launch(module.decode_combine, (programs, block_d // columns), combine,
                                dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, STORE_LSE=lse is not None,
-                                    CHUNK=chunk, COLUMNS=columns, num_warps=4)))
+                                    CHUNK=chunk, COLUMNS=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)))
     return launches
 
 
 # partial-output elements a combine program reads at once: 16384 for a tile of 16 rows (one new
-# token of up to 16 query heads: 237 registers a thread on sm_90, no spill), 4096 for larger tiles
+# token of up to 16 query heads: 255 registers a thread on sm_90, no spill), 4096 for larger tiles
 # (16384 spills 600-1500 bytes a thread at 32 to 128 rows; attngen.tools.cross_compile)
 COMBINE_ELEMENTS_16_ROWS = 16384
 COMBINE_ELEMENTS = 4096
@@ -246,8 +267,9 @@ def combine_tiles(block_m: int, block_d: int, splits: int) -> tuple[int, int]:
     """(COLUMNS, CHUNK) of the combine kernel: a program joins 32 columns of the head dim (or all of a
     smaller one) and reads CHUNK splits of them at once: all of them where the element budget above
     allows (each round of loads waits for the one before: an H200 at batch 1, 29 splits, took 7.9 µs
-    in 8-split chunks, 5.0 in one), and no more than the call has (a chunk of 32 for 4 splits took
-    5.9 µs against 3.6 for 8: the masked-off splits cost too)."""
+    in 8-split chunks, 5.0 in one, 4.6 with the LSEs and outputs loaded in one pass), and no more
+    than the call has (a chunk of 32 for 4 splits took 5.9 µs against 3.6 for 8: the masked-off
+    splits cost too)."""
     columns = min(32, block_d)
     elements = COMBINE_ELEMENTS_16_ROWS if block_m == 16 else COMBINE_ELEMENTS
     most = max(1, elements // (block_m * columns))
@@ -282,7 +304,8 @@ class DecodePlan:
     `from_end` False: an attngen.attention call's positions (and mask sizes), not decode's."""
 
     def __init__(self, q, k_cache, v_cache, block_table, seq_lens, mask, shape: Shape, cache: Cache, scale: float,
-                 return_lse: bool, config: KernelConfig, splits: int | None = None, from_end: bool = True):
+                 return_lse: bool, config: KernelConfig, splits: int | None = None, from_end: bool = True,
+                 pdl: bool | None = None):
         bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads,
                             q_len=cache.capacity if from_end else shape.q_len, kv_len=cache.capacity, device=q.device)
         self.splits = splits or split_count(shape, cache, config, sm_count(q.device))
@@ -290,7 +313,7 @@ class DecodePlan:
         lens = self.full if seq_lens is None else seq_lens
         out, lse = _outputs(q, shape, return_lse)
         launches = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale,
-                                   config, self.splits, from_end)
+                                   config, self.splits, from_end, pdl)
         # a call's tensors from prepared torch.empty_strided arguments (half of torch.empty's host time)
         self.new_lse = None if lse is None else functools.partial(torch.empty_strided, lse.shape, lse.stride(),
                                                                   dtype=lse.dtype, device=lse.device)

@@ -131,8 +131,10 @@ def backward_launches(block_m: int, block_n: int, warps: int, stages: int, mask:
 
 def decode_launches(block_m: int, block_n: int, warps: int, stages: int, mask: str, paged: bool, group: int,
                     q_len: int):
-    """The launches of a decode call split four ways at that `decode` config (B=2, 2 key/value heads,
-    a 4096-key cache), as a CUDA launch would make them."""
+    """The launches of a decode call split 32 ways at that `decode` config (B=2, 2 key/value heads,
+    a 4096-key cache), as a CUDA launch on sm_90 would make them (the combine a programmatic
+    dependent; it reads all 32 splits at once where its element budget allows: batch 1 on an H200
+    takes 29 splits)."""
     from ..config import KernelConfig
     from ..kernels.decode import check_decode
     from ..kernels.decode import decode_launches as launches
@@ -147,7 +149,7 @@ def decode_launches(block_m: int, block_n: int, warps: int, stages: int, mask: s
     shape, layout = check_decode(q, cache, cache, lens, table, kernel=False)
     m = parse_spec(mask)
     bound = bind(m, batch=2, heads=shape.heads, q_len=layout.capacity, kv_len=layout.capacity, device=q.device)
-    return launches(q, cache, cache, table, lens, q, None, bound, shape, layout, 128 ** -0.5, config, 4)
+    return launches(q, cache, cache, table, lens, q, None, bound, shape, layout, 128 ** -0.5, config, 32, pdl=True)
 
 
 def varlen_launches(mask: str) -> dict:

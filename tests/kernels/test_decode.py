@@ -171,18 +171,20 @@ def test_public_decode_matches_and_keeps_one_plan(monkeypatch):
 
 
 def test_split_rule():
-    """Two program slots per SM; the fewest splits within 85% of the best share of full waves; never
-    splits shorter than config.block_m keys; none when the (sequence, head) pairs fill the GPU."""
+    """Two program slots per SM; the count whose waves times its share of keys (in whole tiles) is
+    least, the fewest splits among ties; never splits shorter than config.block_m keys; none when
+    the (sequence, head) pairs fill the GPU."""
     def splits(batch, kv_heads, capacity, block_m=256, sms=132):
         shape = Shape(batch, kv_heads * 4, kv_heads, 1, capacity, 128)
         return split_count(shape, Cache(False, capacity, batch, capacity), KernelConfig(block_m, 64, 4, 2), sms)
-    assert splits(1, 8, 65536) == 29  # 232 of 264 slots: the first count within 85% of filling them all
+    # 256 of 264 slots, 2048 keys each (29: 232 slots, 2304 keys each; 33: 2048 keys, one split empty)
+    assert splits(1, 8, 65536) == 32
     assert splits(8, 8, 8192) == 4  # 256 programs in one wave (5 would take two)
     assert splits(64, 8, 2048) == 1  # 512 (sequence, head) programs fill the GPU already
     assert splits(16, 8, 4096) == 2
     assert splits(1, 8, 1024) == 4  # 1024 keys: four splits of 256 at most
     assert splits(1, 8, 100) == 1
-    assert splits(1, 1, 65536, block_m=4096) == 14  # at most 16 splits of 4096 keys
+    assert splits(1, 1, 65536, block_m=4096) == 16  # at most 16 splits of 4096 keys
 
 
 def test_untuned_calls_take_the_split_or_the_full_defaults(clean_dispatch, tmp_path):
