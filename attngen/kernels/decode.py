@@ -238,11 +238,11 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
                 LSE=lse if lse is not None else out, **lse_strides, PART_O=part_o, PART_LSE=part_lse, TABLE=table,
                 stride_tb=table.stride(0), stride_tp=table.stride(1) if table.dim() == 2 else 0, LENS=lens,
                 batch=shape.batch, heads=shape.heads, q_len=shape.q_len, group=shape.group,
-                page_size=cache.page_size, n_pages=cache.n_pages, kv_cap=cache.capacity, min_split=config.block_m,
+                n_pages=cache.n_pages, kv_cap=cache.capacity, min_split=config.block_m,
                 sm_scale=scale, **mask_args(bound))
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=config.block_n,
                    PAGED=cache.paged, SPLIT=split, STORE_LSE=lse is not None, DOT_PRECISION=dot_precision(q.dtype),
-                   FROM_END=from_end, WHOLE_PAGES=cache.paged and cache.page_size % config.block_n == 0, PDL=pdl,
+                   FROM_END=from_end, PAGE_SIZE=cache.page_size if cache.paged else 1, WHOLE_PAGES=cache.paged and cache.page_size % config.block_n == 0, PDL=pdl,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     launches = [Launch(module.decode_fwd, (splits, programs), args, options)]
     if split:
