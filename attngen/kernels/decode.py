@@ -26,7 +26,7 @@ from .. import masks as masks_
 from ..checks import Shape, check_flag, check_scale, interpreter_on
 from ..config import KernelConfig, block_d_for
 from ..dtypes import SUPPORTED as SUPPORTED_DTYPES
-from .launch import Launch, dot_precision, mask_args, module_for, tensor_args
+from .launch import Launch, dot_precision, maker, mask_args, module_for, tensor_args
 
 TEMPLATE = "decode"  # templates/kernels/decode.py.jinja
 MAX_ROWS = 128  # query rows one key/value head packs into a tile: group * Sq
@@ -314,9 +314,8 @@ class DecodePlan:
         out, lse = _outputs(q, shape, return_lse)
         launches = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale,
                                    config, self.splits, from_end, pdl)
-        # a call's tensors from prepared torch.empty_strided arguments (half of torch.empty's host time)
-        self.new_lse = None if lse is None else functools.partial(torch.empty_strided, lse.shape, lse.stride(),
-                                                                  dtype=lse.dtype, device=lse.device)
+        self.new_out = maker(out)
+        self.new_lse = None if lse is None else maker(lse)
         self.new_part_o, self.new_part_lse = scratch(q.device, shape.batch * shape.kv_heads, self.splits,
                                                      rows_tile(shape), block_d_for(shape.head_dim))
         self.shape, self.cache = shape, cache
@@ -325,7 +324,7 @@ class DecodePlan:
 
     def run(self, q, k_cache, v_cache, block_table, seq_lens, out=None, lse=None):
         if out is None:
-            out = torch.empty_like(q)
+            out = self.new_out()
             lse = self.new_lse() if self.new_lse is not None else None
         lens = self.full if seq_lens is None else seq_lens
         table = block_table if self.cache.paged else lens

@@ -8,7 +8,6 @@ attngen.kernels.topk first.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from .. import masks as masks_
 from ..checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from ..config import KernelConfig, block_d_for
-from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, launcher, mask_args, module_for,
+from .launch import (Launch, aligned, maker, dims, dot_precision, ensure_allocator, launcher, mask_args, module_for,
                      structure_args, tensor_args, tma_eligible)
 from .topk import Thresholds, TopkTuning
 
@@ -75,9 +74,8 @@ class Plan:
                  dropout_p: float = 0.0, tuning: TopkTuning = TopkTuning()):
         bound, structure = blocks(q, mask, shape, config)
         out, lse = _outputs(q, shape, return_lse)
-        # a call's LSE: torch.empty_strided with its arguments prepared costs half of torch.empty's host time
-        self.new_lse = None if lse is None else functools.partial(torch.empty_strided, lse.shape, lse.stride(),
-                                                                  dtype=lse.dtype, device=lse.device)
+        self.new_out = maker(out)
+        self.new_lse = None if lse is None else maker(lse)
         self.thresholds = Thresholds(q, k, bound, structure, shape, scale, topk, config, tuning) if topk else None
         launch = forward_launch(q, k, v, out, lse, out if topk else None, bound, structure, shape, scale, config,
                                 False, dropout_p)
@@ -95,7 +93,7 @@ class Plan:
     def launch(self, q, k, v, seed: int):
         """run with the dropout seed given (the autograd Function keeps it for the backward):
         (output, LSE or None, the top-k thresholds or None)."""
-        out = torch.empty_like(q)
+        out = self.new_out()
         lse = self.new_lse() if self.new_lse is not None else None
         thr = self.thresholds.run(q, k) if self.thresholds is not None else None
         variant = 0

@@ -21,14 +21,35 @@ from helpers import assert_close, poisoned_like, rand_qkv
 from masks_zoo import doc_ids
 
 
+class FakeLauncher:
+    """Triton's launcher object (CudaLauncher) as the direct launch sees it: called, it would
+    allocate `scratch` bytes and call its C function `launch`, which takes the cooperative-grid and
+    PDL flags and the two scratch buffers after the function. Both record the launch in `launches`
+    as the object's call has it (grid, stream, function, kernel metadata, launch metadata, hooks,
+    arguments), and where it went in `entries` (with the C function's flags and scratch)."""
+
+    def __init__(self, launches, scratch=0):
+        self.launches, self.entries = launches, []
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, *args):
+        self.entries.append("object")
+        self.launches.append(args)
+
+    def launch(self, *args):
+        self.entries.append(("function", args[5:9]))
+        self.launches.append(args[:5] + args[9:])
+
+
 class FakeCompiled(CompiledKernel):
     """A compiled kernel that records its launches instead of running them."""
 
-    def __init__(self):
+    def __init__(self, scratch=0):
         self.launches = []
         self.function, self.packed_metadata = "function", "metadata"
         self.metadata = SimpleNamespace(target=GPUTarget("cuda", 90, 32))
-        self._run = lambda *args: self.launches.append(args)
+        self._run = FakeLauncher(self.launches, scratch)
 
 
 @pytest.fixture
@@ -62,8 +83,8 @@ class Paths:
     """A runner of `prepared` whose Triton path is recorded (and returns `compiled`), with the
     changing arguments `names`; `take(*values)` says which path a call took."""
 
-    def __init__(self, prepared, names=("Q", "O", "LSE", "seed"), variants=None):
-        self.compiled, self.triton = FakeCompiled(), []
+    def __init__(self, prepared, names=("Q", "O", "LSE", "seed"), variants=None, scratch=0):
+        self.compiled, self.triton = FakeCompiled(scratch), []
 
         def triton_path(*args, **options):
             self.triton.append((args, options))
@@ -97,8 +118,8 @@ def _misaligned(t):
 
 def test_later_calls_launch_the_kept_kernel_with_tritons_arguments(fake_cuda):
     """The first call takes Triton's path and keeps its compiled kernel; later ones go straight to it
-    with every argument JITFunction.run binds, in signature order (constexprs included), on the
-    current stream, with no launch hooks."""
+    with every argument JITFunction.run binds, in signature order (constexprs included; tensors as
+    their addresses), on the current stream, with no launch hooks."""
     prepared = _prepared()
     paths = Paths(prepared)
     q = prepared.values[prepared.names.index("Q")]
@@ -113,7 +134,22 @@ def test_later_calls_launch_the_kept_kernel_with_tritons_arguments(fake_cuda):
     given = dict(zip(prepared.names, prepared.values), **prepared.options, Q=q2, O=out2, LSE=lse2, seed=7)
     want = [given[name] for name in prepared.kernel.arg_names]
     assert len(launched[9:]) == len(want)
-    assert all(got is w or (not isinstance(w, torch.Tensor) and got == w) for got, w in zip(launched[9:], want))
+    assert [got for got in launched[9:] if isinstance(got, torch.Tensor)] == []
+    assert all(got == (w.data_ptr() if isinstance(w, torch.Tensor) else w) for got, w in zip(launched[9:], want))
+
+
+@pytest.mark.parametrize("scratch", [0, 128])
+def test_the_launchers_c_function_is_called_where_no_scratch_is_needed(fake_cuda, scratch):
+    """Without scratch memory the launcher object's step is skipped: its C function gets the
+    launcher's flags (cooperative grid, PDL) and no scratch buffers; a kernel that needs scratch
+    goes through the object, which allocates it."""
+    prepared = _prepared()
+    paths = Paths(prepared, scratch=scratch)
+    q = prepared.values[prepared.names.index("Q")]
+    assert paths.take(*_tensors(q), 5) == "triton"
+    assert paths.take(*_tensors(q), 5) == "direct"
+    entries = paths.compiled._run.entries
+    assert entries == (["object"] if scratch else [("function", (False, True, None, None))])
 
 
 def test_the_seed_never_leaves_the_direct_path(fake_cuda):
