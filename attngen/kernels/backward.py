@@ -16,8 +16,8 @@ import torch
 
 from .. import masks as masks_
 from ..config import KernelConfig, block_d_for
-from .launch import (Launch, aligned, maker, dims, dot_precision, ensure_allocator, mask_args, module_for, structure_args,
-                     tensor_args, tma_eligible)
+from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, maker, mask_args, module_for,
+                     structure_args, tensor_args, tma_eligible)
 from .topk import TopkTuning, threshold_config
 
 TEMPLATE = "backward"  # templates/kernels/backward.py.jinja
@@ -82,7 +82,7 @@ class BackwardPlan:
         # pointers are aligned too (checked per call)
         self.tma = takes_tma(config, thr, q, k, v, dout)
         self.rows = shape.batch * shape.heads * shape.q_len
-        self.new_grads = (maker(dq), maker(dk), maker(dv))
+        self.new_dq, self.new_dk, self.new_dv = maker(dq), maker(dk), maker(dv)
         self.new_delta = maker(torch.empty(self.rows, dtype=torch.float32, device=q.device))
         # dLSE (B, Hq, Sq) made contiguous, where given: these strides; else unused
         self.dlse_strides = (shape.heads * shape.q_len, shape.q_len)
@@ -98,7 +98,7 @@ class BackwardPlan:
         return [launch.options, dict(launch.options, USE_TMA=True)] if self.tma else [launch.options]
 
     def run(self, q, k, v, out, lse, thr, dout, dlse, seed: int = 0):
-        dq, dk, dv = (new() for new in self.new_grads)
+        dq, dk, dv = self.new_dq(), self.new_dk(), self.new_dv()
         delta = self.new_delta()
         if dlse is None:
             self._preprocess(out, dout, delta, delta, 0, 0)

@@ -242,7 +242,8 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
                 sm_scale=scale, **mask_args(bound))
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=config.block_n,
                    PAGED=cache.paged, SPLIT=split, STORE_LSE=lse is not None, DOT_PRECISION=dot_precision(q.dtype),
-                   FROM_END=from_end, PAGE_SIZE=cache.page_size if cache.paged else 1, WHOLE_PAGES=cache.paged and cache.page_size % config.block_n == 0, PDL=pdl,
+                   FROM_END=from_end, PAGE_SIZE=cache.page_size if cache.paged else 1,
+                   WHOLE_PAGES=cache.paged and cache.page_size % config.block_n == 0, PDL=pdl,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     launches = [Launch(module.decode_fwd, (splits, programs), args, options)]
     if split:

@@ -15,8 +15,8 @@ import torch
 from .. import masks as masks_
 from ..checks import check_dropout, check_flag, check_qkv, check_scale, check_topk, draw_seed
 from ..config import KernelConfig, block_d_for
-from .launch import (Launch, aligned, maker, dims, dot_precision, ensure_allocator, launcher, mask_args, module_for,
-                     structure_args, tensor_args, tma_eligible)
+from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, launcher, maker, mask_args,
+                     module_for, structure_args, tensor_args, tma_eligible)
 from .topk import Thresholds, TopkTuning
 
 TEMPLATE = "forward"  # templates/kernels/forward.py.jinja
