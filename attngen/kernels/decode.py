@@ -250,30 +250,39 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
         combine = dict(PART_O=part_o, PART_LSE=part_lse, **tensor_args("o", out, "bhmd"),
                        LSE=lse if lse is not None else out, **lse_strides, heads=shape.heads, q_len=shape.q_len,
                        group=shape.group, n_splits=splits)
-        columns, chunk = combine_tiles(block_m, block_d, splits)
+        rows = combine_rows(shape)
+        columns, chunk = combine_tiles(rows, block_d, splits)
         launches.append(Launch(module.decode_combine, (programs, block_d // columns), combine,
-                               dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, STORE_LSE=lse is not None,
+                               dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, ROWS=rows,
+                                    STORE_LSE=lse is not None,
                                     CHUNK=chunk, COLUMNS=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)))
     return launches
 
 
-# partial-output elements a combine program reads at once: 16384 for a tile of 16 rows (one new
-# token of up to 16 query heads: 255 registers a thread on sm_90, no spill), 4096 for larger tiles
-# (16384 spills 600-1500 bytes a thread at 32 to 128 rows; attngen.tools.cross_compile)
+# partial-output elements a combine program reads at once: 16384 for a tile of at most 16 rows (one
+# new token of up to 16 query heads: 255 registers a thread on sm_90, no spill), 4096 for larger
+# tiles (16384 spills 600-1500 bytes a thread at 32 to 128 rows; attngen.tools.cross_compile)
 COMBINE_ELEMENTS_16_ROWS = 16384
 COMBINE_ELEMENTS = 4096
 
 
-def combine_tiles(block_m: int, block_d: int, splits: int) -> tuple[int, int]:
-    """(COLUMNS, CHUNK) of the combine kernel: a program joins 32 columns of the head dim (or all of a
-    smaller one) and reads CHUNK splits of them at once: all of them where the element budget above
-    allows (each round of loads waits for the one before: an H200 at batch 1, 29 splits, took 7.9 µs
-    in 8-split chunks, 5.0 in one, 4.6 with the LSEs and outputs loaded in one pass), and no more
-    than the call has (a chunk of 32 for 4 splits took 5.9 µs against 3.6 for 8: the masked-off
+def combine_rows(shape: Shape) -> int:
+    """ROWS of the combine kernel: a key/value head's real rows (group * Sq) as a power of two. The
+    split kernel writes those rows only, and the combine reads them only (its tiles need no tl.dot,
+    so no padding to 16: at Hq 32, Hkv 8 and one token, 4 rows instead of 16)."""
+    return 1 << (shape.group * shape.q_len - 1).bit_length()
+
+
+def combine_tiles(rows: int, block_d: int, splits: int) -> tuple[int, int]:
+    """(COLUMNS, CHUNK) of the combine kernel for tiles of `rows` rows: a program joins 32 columns of
+    the head dim (or all of a smaller one) and reads CHUNK splits of them at once: all of them where
+    the element budget above allows (each round of loads waits for the one before: an H200 at batch
+    1, 29 splits, took 7.9 µs in 8-split chunks, 5.0 in one, 4.6 with the LSEs and outputs loaded in
+    one pass), and no more than the call has (a chunk of 32 for 4 splits took 5.9 µs against 3.6 for 8: the masked-off
     splits cost too)."""
     columns = min(32, block_d)
-    elements = COMBINE_ELEMENTS_16_ROWS if block_m == 16 else COMBINE_ELEMENTS
-    most = max(1, elements // (block_m * columns))
+    elements = COMBINE_ELEMENTS_16_ROWS if rows <= 16 else COMBINE_ELEMENTS
+    most = max(1, elements // (rows * columns))
     return columns, min(1 << (most.bit_length() - 1), 1 << (splits - 1).bit_length())
 
 

@@ -12,7 +12,7 @@ from attngen import decoding
 from attngen.checks import Shape
 from attngen.config import KernelConfig
 from attngen.kernels import decode as decode_kernels
-from attngen.kernels.decode import Cache, combine_tiles, decode_forward, split_count
+from attngen.kernels.decode import Cache, combine_rows, combine_tiles, decode_forward, split_count
 from helpers import DEVICE, assert_close, poisoned_like
 from masks_zoo import ZOO
 
@@ -60,7 +60,7 @@ def run_checked(q, k, v, lens, table=None, mask=None, splits=None, config=CONFIG
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-@pytest.mark.parametrize("q_len,group", [(1, 1), (1, 4), (4, 2)])
+@pytest.mark.parametrize("q_len,group", [(1, 1), (1, 4), (4, 2), (3, 1)])  # 3 rows: the combine's 4th is padding
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matches_the_reference(layout, q_len, group, splits, dtype):
@@ -83,7 +83,9 @@ def test_many_splits_and_a_wide_head():
     q, k, v, lens = make_case(2, 4, 2, 1, 37 * 16 + 5, torch.float32, [37 * 16 + 5, 40], g, head_dim=80)
     assert combine_tiles(16, 128, 37) == (32, 32) and combine_tiles(16, 128, 4) == (32, 4)
     assert combine_tiles(128, 128, 37) == (32, 1) and combine_tiles(32, 128, 37) == (32, 4)
-    assert combine_tiles(16, 64, 3) == (32, 4)
+    assert combine_tiles(16, 64, 3) == (32, 4) and combine_tiles(4, 128, 37) == (32, 64)
+    # the combine's rows: group * Sq as a power of two (Hq 32, Hkv 8: 4; 3 tokens of MHA: 4; MHA: 1)
+    assert [combine_rows(Shape(1, hq, 8, sq, 64, 128)) for hq, sq in ((32, 1), (8, 3), (8, 1))] == [4, 4, 1]
     run_checked(q, k, v, lens, splits=37)
 
 
