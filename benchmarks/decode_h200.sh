@@ -17,7 +17,7 @@ start "$out"
 
 step tests 240 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
   -n 8 kernels/test_decode.py kernels/test_direct_launch.py kernels/test_launch.py kernels/test_gpu.py test_ops.py"
-step decode 100 $py benchmarks/decode.py --out "$out" --profile
+step decode 240 $py benchmarks/decode.py --out "$out" --profile
 step host_time 60 env OUT="$out" $py benchmarks/host_time.py
 step decode_configs 150 $py benchmarks/decode_configs.py --out "$out" --budget 120
 tail -n 3 "$out/tests.txt"
