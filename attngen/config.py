@@ -129,17 +129,26 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
         ],
     },
     # decode (split-KV): block_m is the fewest keys a split takes (the split rule's floor, see
-    # attngen.kernels.decode.split_count), block_n the keys per tile. "decode" serves calls whose
-    # keys are split (their (sequence, key/value head) pairs fill under 80% of two programs per SM),
-    # "decode_full" those whose pairs fill the GPU alone. sm90 D <= 128: from benchmarks/decode_configs.py
-    # on an H200 (bf16, Hq 32, Hkv 8, 36 configs; benchmarks/RESULTS.md): a few programs per SM need
-    # 128-key tiles to keep enough bytes in flight, a paged cache's gathered rows most of all (B1 64k:
-    # 100.5 µs against 121 at 64x3 stages; contiguous 94.2 against the best 91.9), while 512 programs
-    # want 64-key tiles and 2 stages (B64 2k: 133.8 µs contiguous, 137.6 paged, against 149 and 186 at
-    # 3 stages). The other rows are untuned starting points
+    # attngen.kernels.decode.split_count), block_n the keys per tile. "decode" serves calls over a
+    # contiguous cache whose keys are split (their (sequence, key/value head) pairs fill under 80% of
+    # two programs per SM), "decode_paged" the same over a paged cache, "decode_full" those whose
+    # pairs fill the GPU alone. sm90 D <= 128: from benchmarks/decode_configs.py on an H200 (bf16, Hq
+    # 32, Hkv 8, 36 configs; benchmarks/RESULTS.md): two programs per SM need 128-key tiles to keep
+    # enough bytes in flight (B1 64k: 100.5 µs against 121 at 64x3 stages), while 512 programs want
+    # 64-key tiles and 2 stages (B64 2k: 133.8 µs contiguous, 137.6 paged, against 149 and 186 at 3
+    # stages). A paged split call takes 64-key tiles too: four of its programs fit an SM, and the
+    # split rule counts them (twice the splits of 128-key tiles; B1 64k 72.0-73.9 µs against 75.5-76.3
+    # with the L2 clean, docs/journal/decode.md runs 112-114). The other rows are untuned starting points
     "decode": {
         "sm90": [
             (128, KernelConfig(256, 128, 4, 2)),
+            (256, KernelConfig(256, 32, 4, 2)),
+        ],
+        **_DECODE_UNTUNED,
+    },
+    "decode_paged": {
+        "sm90": [
+            (128, KernelConfig(256, 64, 4, 2)),
             (256, KernelConfig(256, 32, 4, 2)),
         ],
         **_DECODE_UNTUNED,

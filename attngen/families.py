@@ -43,16 +43,16 @@ class KernelFamily:
     fit_wide: Callable = lambda config, why: (config, "")
     query_len: int | None = None  # the tuner's query length: None for Sq = Sk, else this many new tokens
     per_batch: bool = False  # registry entries per batch bucket (else one entry serves every batch)
-    # (shape, device) -> the attngen.config.DEFAULTS key of a call's fallback config (None: the name)
+    # (shape, device, paged) -> the attngen.config.DEFAULTS key of a call's fallback config (None: the name)
     default_table: Callable | None = None
 
     def batch_bucket(self, batch: int) -> int:
         """The registry key's batch bucket of a call: 0 (any) unless the family tunes per batch."""
         return registry_.batch_bucket(batch) if self.per_batch and batch > 0 else 0
 
-    def table(self, shape, device) -> str:
-        """The DEFAULTS key of a call's fallback config."""
-        return self.default_table(shape, device) if self.default_table is not None else self.name
+    def table(self, shape, device, paged: bool = False) -> str:
+        """The DEFAULTS key of a call's fallback config (paged: a decode call over a paged cache)."""
+        return self.default_table(shape, device, paged) if self.default_table is not None else self.name
 
     def default(self, arch: str, head_dim: int, table: str | None = None) -> tuple[KernelConfig, str]:
         """The fallback config where the registry has none (from DEFAULTS[table], by default the

@@ -232,13 +232,13 @@ def main(argv=None) -> int:
             entry["methods"][name], row = time_method([fns[name] for fns in per_set], ref, kv_bytes, best)
             rows.append((f"B{batch} S{length}", name, *row))
         if "clean" in entry["methods"].get("attngen", {}):
-            choice = attngen.dispatch.choose(q, k, v, kernel="decode")
-            from attngen.kernels.decode import check_decode, sm_count, split_count
-            shape, cache = check_decode(q, k, v, lens, None)
-            entry["attngen_config"] = f"{choice.config} splits {split_count(shape, cache, choice.config, sm_count(device))}"
-            entry["attngen_source"] = choice.source
-            paged_choice = attngen.dispatch.choose_config(attngen.families.DECODE, q, shape, None, paged=True)
-            entry["attngen_paged_config"] = str(paged_choice.config)
+            from attngen.kernels.decode import DecodePlan, check_decode
+            for key, (kk, vv, tt) in (("attngen", (k, v, None)), ("attngen_paged", (pool_k, pool_v, table))):
+                shape, cache = check_decode(q, kk, vv, lens, tt)
+                choice = attngen.dispatch.choose_config(attngen.families.DECODE, q, shape, None, paged=cache.paged)
+                plan = DecodePlan(q, kk, vv, tt, lens, None, shape, cache, D ** -0.5, False, choice.config)
+                entry[f"{key}_config"] = f"{choice.config} splits {plan.splits}"
+                entry[f"{key}_source"] = choice.source
         if args.profile:
             entry["kernels_us"] = {}
             fns = methods(q, k, v, lens, pool_k, pool_v, table, args.page)

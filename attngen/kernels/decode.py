@@ -26,7 +26,7 @@ from .. import masks as masks_
 from ..checks import Shape, check_flag, check_scale, interpreter_on
 from ..config import KernelConfig, block_d_for
 from ..dtypes import SUPPORTED as SUPPORTED_DTYPES
-from .launch import Launch, dot_precision, maker, mask_args, module_for, tensor_args
+from .launch import Launch, dot_precision, launch_occupancy, maker, mask_args, module_for, tensor_args
 
 TEMPLATE = "decode"  # templates/kernels/decode.py.jinja
 MAX_ROWS = 128  # query rows one key/value head packs into a tile: group * Sq
@@ -167,23 +167,27 @@ def pairs_fill(shape: Shape, sms: int) -> bool:
     return shape.batch * shape.kv_heads >= 0.8 * 2 * sms
 
 
-def default_table(shape: Shape, device: torch.device) -> str:
-    """The DEFAULTS key of a decode call's fallback config: "decode_full" or "decode" (split)."""
-    return "decode_full" if pairs_fill(shape, sm_count(device)) else "decode"
+def default_table(shape: Shape, device: torch.device, paged: bool = False) -> str:
+    """The DEFAULTS key of a decode call's fallback config: "decode_full" (the pairs fill the GPU),
+    else a split call's: "decode_paged" over a paged cache, "decode" over a contiguous one."""
+    if pairs_fill(shape, sm_count(device)):
+        return "decode_full"
+    return "decode_paged" if paged else "decode"
 
 
-def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> int:
+def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int, per_sm: int = 2) -> int:
     """The split rule: how many programs share each (sequence, key/value head)'s keys. Each program
     takes an equal share of the keys in whole tiles (at least config.block_m keys: the kernel's
-    rule, over the cache's capacity here), and programs run in waves of two per SM; a count n costs
-    its waves times its share (the busiest SM's keys), and the rule takes the cheapest, the fewest
-    splits among those within 1% of it. No split when the (sequence, head) pairs alone fill 80% of
-    the slots. On an H200 (batch 1, 64k keys, 8 heads, 128-key tiles) the cost's order was the
-    time's: 32 splits 81.1 µs, 31 81.9, 29 82.7, 26 82.7, 24 84.4, 40 86.4, 36 88.2, 16 90.4; 33
-    splits, tied with 32 but with an empty split a head, took 83.9. The rule reads only sizes the
-    host knows; each program then shares out its own sequence's length in the kernel, so lengths
-    that change never change the grid."""
-    programs, slots = shape.batch * shape.kv_heads, 2 * sms
+    rule, over the cache's capacity here), and programs run in waves of `per_sm` per SM (the split
+    kernel's occupancy, `split_occupancy`); a count n costs its waves times its share (the busiest
+    SM's keys), and the rule takes the cheapest, the fewest splits among those within 1% of it. No
+    split when the (sequence, head) pairs alone fill 80% of two programs per SM. On an H200 (batch
+    1, 64k keys, 8 heads, 128-key tiles, two programs per SM) the cost's order was the time's: 32
+    splits 81.1 µs, 31 81.9, 29 82.7, 26 82.7, 24 84.4, 40 86.4, 36 88.2, 16 90.4; 33 splits, tied
+    with 32 but with an empty split a head, took 83.9. The rule reads only sizes the host knows;
+    each program then shares out its own sequence's length in the kernel, so lengths that change
+    never change the grid."""
+    programs, slots = shape.batch * shape.kv_heads, per_sm * sms
     most = max(1, math.ceil(cache.capacity / max(config.block_m, config.block_n)))
     if pairs_fill(shape, sms) or most == 1:
         return 1
@@ -197,6 +201,20 @@ def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> i
     costs = [cost(n) for n in range(1, most + 1)]
     cheapest = min(costs)
     return next(n for n, c in enumerate(costs, 1) if c <= 1.01 * cheapest)
+
+
+def split_occupancy(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape: Shape, cache: Cache, scale: float,
+                    config: KernelConfig, from_end: bool = True, pdl: bool | None = None) -> int:
+    """Programs of a call's split kernel one SM holds at once (launch.programs_per_sm), from the
+    kernel compiled for the call's device (it is compiled now rather than at the first launch); 2
+    under the interpreter, and for calls that are not split (their pairs fill the GPU). A paged
+    cache's 64-key tiles hold 4 programs an SM on an H200, whose gathered rows need that many in
+    flight: its split calls take twice the splits of 128-key tiles (two programs an SM)."""
+    if q.device.type != "cuda" or interpreter_on() or pairs_fill(shape, sm_count(q.device)):
+        return 2
+    launch = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale, config,
+                             2, from_end, pdl)[0]
+    return launch_occupancy(launch, q.device)
 
 
 def takes_short_query(shape: Shape, topk: int, dropout_p: float) -> bool:
@@ -318,10 +336,11 @@ class DecodePlan:
                  pdl: bool | None = None):
         bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads,
                             q_len=cache.capacity if from_end else shape.q_len, kv_len=cache.capacity, device=q.device)
-        self.splits = splits or split_count(shape, cache, config, sm_count(q.device))
         self.full = full_lengths(shape, q.device) if seq_lens is None else None
         lens = self.full if seq_lens is None else seq_lens
         out, lse = _outputs(q, shape, return_lse)
+        self.splits = splits or split_count(shape, cache, config, sm_count(q.device), split_occupancy(
+            q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale, config, from_end, pdl))
         launches = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale,
                                    config, self.splits, from_end, pdl)
         self.new_out = maker(out)

@@ -76,7 +76,7 @@ def test_varlen_compiles_like_the_same_packing_as_a_document_mask(tmp_path):
 @pytest.mark.parametrize("mask,paged,group,q_len", [("none", 1, 4, 1), ("none", 0, 1, 1),
                                                     ("sliding_window(window=4096) & softcap(cap=30.0)", 1, 8, 4)],
                          ids=["paged GQA", "contiguous MHA", "paged window softcap 4 tokens"])
-@pytest.mark.parametrize("table", ["decode", "decode_full"])
+@pytest.mark.parametrize("table", ["decode", "decode_paged", "decode_full"])
 def test_decode_kernels_compile_for_hopper_without_spilling(tmp_path, mask, paged, group, q_len, table):
     """The decode kernels at the sm_90 default configs (split and full calls): they compile, and the
     split kernel keeps its loop in registers (a memory-bound loop that spills reads local memory on

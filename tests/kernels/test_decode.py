@@ -13,6 +13,7 @@ from attngen.checks import Shape
 from attngen.config import KernelConfig
 from attngen.kernels import decode as decode_kernels
 from attngen.kernels.decode import Cache, combine_rows, combine_tiles, decode_forward, split_count
+from attngen.kernels.launch import programs_per_sm
 from helpers import DEVICE, assert_close, poisoned_like
 from masks_zoo import ZOO
 
@@ -176,9 +177,10 @@ def test_split_rule():
     """Two program slots per SM; the count whose waves times its share of keys (in whole tiles) is
     least, the fewest splits among ties; never splits shorter than config.block_m keys; none when
     the (sequence, head) pairs fill the GPU."""
-    def splits(batch, kv_heads, capacity, block_m=256, sms=132):
+    def splits(batch, kv_heads, capacity, block_m=256, sms=132, per_sm=2):
         shape = Shape(batch, kv_heads * 4, kv_heads, 1, capacity, 128)
-        return split_count(shape, Cache(False, capacity, batch, capacity), KernelConfig(block_m, 64, 4, 2), sms)
+        return split_count(shape, Cache(False, capacity, batch, capacity), KernelConfig(block_m, 64, 4, 2), sms,
+                           per_sm)
     # 256 of 264 slots, 2048 keys each (29: 232 slots, 2304 keys each; 33: 2048 keys, one split empty)
     assert splits(1, 8, 65536) == 32
     assert splits(8, 8, 8192) == 4  # 256 programs in one wave (5 would take two)
@@ -187,22 +189,40 @@ def test_split_rule():
     assert splits(1, 8, 1024) == 4  # 1024 keys: four splits of 256 at most
     assert splits(1, 8, 100) == 1
     assert splits(1, 1, 65536, block_m=4096) == 16  # at most 16 splits of 4096 keys
+    # four programs an SM (a paged cache's 64-key tiles): twice the splits, one wave of 512 programs
+    assert splits(1, 8, 65536, per_sm=4) == 64 and splits(8, 8, 8192, per_sm=4) == 8
+    assert splits(64, 8, 2048, per_sm=4) == 1  # the pairs fill the GPU whatever the occupancy
+
+
+def test_programs_per_sm_follow_cudas_occupancy_rules():
+    """Registers in 256 a warp, shared memory plus 1 KiB a program, threads, at most 32 (an H200's
+    65536 registers, 228 KiB and 2048 threads an SM): the decode split kernels' sm_90 builds."""
+    assert programs_per_sm(108, 73728, 4) == 3  # contiguous, 128-key tiles: shared memory bounds it
+    assert programs_per_sm(178, 73728, 4) == 2  # paged, 128-key tiles: registers
+    assert programs_per_sm(122, 38912, 4) == 4  # paged, 64-key tiles
+    assert programs_per_sm(32, 0, 1) == 32 and programs_per_sm(255, 0, 8) == 1 and programs_per_sm(16, 0, 32) == 2
 
 
 def test_untuned_calls_take_the_split_or_the_full_defaults(clean_dispatch, tmp_path):
     """With no registry entry, a decode call whose (sequence, head) pairs fill the GPU takes
-    DEFAULTS["decode_full"], a split one DEFAULTS["decode"] (sm_count: 4 under the interpreter, so
-    8 program slots; the GPU's own count on CUDA), and explain/choose says which row it was."""
+    DEFAULTS["decode_full"], a split one DEFAULTS["decode"] or, over a paged cache,
+    DEFAULTS["decode_paged"] (sm_count: 4 under the interpreter, so 8 program slots; the GPU's own
+    count on CUDA), and explain/choose says which row it was."""
     from attngen.config import DEFAULTS, arch_of
+    from attngen.families import DECODE
     clean_dispatch.use_registry(tmp_path)  # empty: every call falls back
     sms = decode_kernels.sm_count(torch.device(DEVICE))
     full_batch = math.ceil(0.8 * sms)  # with 2 key/value heads: 80% of the 2 * sms slots
-    for batch, table in ((1, "decode"), (full_batch, "decode_full")):
+    cases = ((1, False, "decode"), (1, True, "decode_paged"), (full_batch, False, "decode_full"),
+             (full_batch, True, "decode_full"))
+    for batch, paged_cache, table in cases:
         q = torch.randn(batch, 4, 1, 64, device=DEVICE)
-        k = torch.randn(batch, 2, 300, 64, device=DEVICE)
-        choice = attngen.dispatch.choose(q, k, k, kernel="decode")
+        shape = Shape(batch, 4, 2, 1, 320, 64)
+        choice = attngen.dispatch.choose_config(DECODE, q, shape, None, paged=paged_cache)
         want = dict(DEFAULTS[table][arch_of(q.device)])[256 if arch_of(q.device) == "interpreter" else 128]
-        assert choice.config == want and f"default {table} config" in choice.source, (batch, choice)
+        assert choice.config == want and f"default {table} config" in choice.source, (batch, paged_cache, choice)
+    k = torch.randn(1, 2, 300, 64, device=DEVICE)  # attngen.dispatch.choose: a contiguous cache
+    assert "default decode config" in attngen.dispatch.choose(q[:1], k, k, kernel="decode").source
 
 
 def test_a_tuned_entry_serves_contiguous_calls_and_paged_calls_take_the_defaults(clean_dispatch, tmp_path,
@@ -226,7 +246,7 @@ def test_a_tuned_entry_serves_contiguous_calls_and_paged_calls_take_the_defaults
     monkeypatch.setattr(decoding, "DecodePlan", lambda *a, **kw: used.append(a[10]) or real(*a, **kw))
     out = attngen.decode(q, k, v, lens)
     out_paged = attngen.decode(q, pool_k, pool_v, lens, block_table=table)
-    shape_default = decode_kernels.default_table(Shape(2, 4, 2, 1, 64, 16), q.device)
+    shape_default = decode_kernels.default_table(Shape(2, 4, 2, 1, 64, 16), q.device, paged=True)
     from attngen.config import arch_of, default_config
     assert used == [tuned, default_config(shape_default, arch_of(q.device), 16)]
     for got in (out, out_paged):
