@@ -138,7 +138,7 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
     # 64-key tiles and 2 stages (B64 2k: 133.8 µs contiguous, 137.6 paged, against 149 and 186 at 3
     # stages). A paged split call takes 64-key tiles too: four of its programs fit an SM, and the
     # split rule counts them (twice the splits of 128-key tiles; B1 64k 72.0-73.9 µs against 75.5-76.3
-    # with the L2 clean, docs/journal/decode.md runs 112-114). The other rows are untuned starting points
+    # with the L2 clean; docs/journal/decode.md). The other rows are untuned starting points
     "decode": {
         "sm90": [
             (128, KernelConfig(256, 128, 4, 2)),

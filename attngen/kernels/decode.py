@@ -205,12 +205,16 @@ def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int, per_
 
 def split_occupancy(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape: Shape, cache: Cache, scale: float,
                     config: KernelConfig, from_end: bool = True, pdl: bool | None = None) -> int:
-    """Programs of a call's split kernel one SM holds at once (launch.programs_per_sm), from the
-    kernel compiled for the call's device (it is compiled now rather than at the first launch); 2
-    under the interpreter, and for calls that are not split (their pairs fill the GPU). A paged
-    cache's 64-key tiles hold 4 programs an SM on an H200, whose gathered rows need that many in
-    flight: its split calls take twice the splits of 128-key tiles (two programs an SM)."""
-    if q.device.type != "cuda" or interpreter_on() or pairs_fill(shape, sm_count(q.device)):
+    """The programs per SM the split rule counts on. A paged call: as many as one SM holds of its split
+    kernel (launch.programs_per_sm), compiled for the call's device now rather than at the first
+    launch: its rows are gathered, and more programs keep more of them in flight (an H200, 64-key
+    tiles: four an SM, 64 splits at batch 1 and 64k keys, 72.0-74.3 µs with the L2 clean against
+    74.7-76.3 at 128-key tiles and 32 splits). A contiguous call: two, whatever its kernel holds: two
+    programs an SM of 128-key tiles already stream at the copy's bandwidth, and three (its occupancy)
+    took the same time with the L2 clean and 0.5-1 µs longer with do_bench, for a combine over more
+    splits. Also two under the interpreter and for calls that are not split."""
+    if (not cache.paged or q.device.type != "cuda" or interpreter_on()
+            or pairs_fill(shape, sm_count(q.device))):
         return 2
     launch = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale, config,
                              2, from_end, pdl)[0]
