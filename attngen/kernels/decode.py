@@ -276,8 +276,8 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
         columns, chunk = combine_tiles(rows, block_d, splits)
         launches.append(Launch(module.decode_combine, (programs, block_d // columns), combine,
                                dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d, BLOCK_M=block_m, ROWS=rows,
-                                    STORE_LSE=lse is not None,
-                                    CHUNK=chunk, COLUMNS=columns, PDL=pdl, launch_pdl=pdl, num_warps=4)))
+                                    STORE_LSE=lse is not None, CHUNK=chunk, COLUMNS=columns, PDL=pdl,
+                                    launch_pdl=pdl, num_warps=4)))
     return launches
 
 
@@ -300,8 +300,8 @@ def combine_tiles(rows: int, block_d: int, splits: int) -> tuple[int, int]:
     the head dim (or all of a smaller one) and reads CHUNK splits of them at once: all of them where
     the element budget above allows (each round of loads waits for the one before: an H200 at batch
     1, 29 splits, took 7.9 µs in 8-split chunks, 5.0 in one, 4.6 with the LSEs and outputs loaded in
-    one pass), and no more than the call has (a chunk of 32 for 4 splits took 5.9 µs against 3.6 for 8: the masked-off
-    splits cost too)."""
+    one pass), and no more than the call has (a chunk of 32 for 4 splits took 5.9 µs against 3.6
+    for 8: the masked-off splits cost too)."""
     columns = min(32, block_d)
     elements = COMBINE_ELEMENTS_16_ROWS if rows <= 16 else COMBINE_ELEMENTS
     most = max(1, elements // (rows * columns))
