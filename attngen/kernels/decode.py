@@ -230,10 +230,16 @@ def takes_short_query(shape: Shape, topk: int, dropout_p: float) -> bool:
             and not dropout_p)
 
 
+def combine_rows(shape: Shape) -> int:
+    """ROWS of the combine kernel: a key/value head's real rows (group * Sq) as a power of two. The
+    split kernel writes those rows only, and the combine reads them only (its tiles need no tl.dot,
+    so no padding to 16: at Hq 32, Hkv 8 and one token, 4 rows instead of 16)."""
+    return 1 << (shape.group * shape.q_len - 1).bit_length()
+
+
 def rows_tile(shape: Shape) -> int:
-    """BLOCK_M: the rows of a key/value head (group * Sq) as a power of two >= 16."""
-    rows = shape.group * shape.q_len
-    return max(16, 1 << (rows - 1).bit_length())
+    """BLOCK_M: the rows of a key/value head (group * Sq) as a power of two >= 16 (tl.dot's least)."""
+    return max(16, combine_rows(shape))
 
 
 def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape: Shape, cache: Cache,
@@ -286,13 +292,6 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
 # tiles (16384 spills 600-1500 bytes a thread at 32 to 128 rows; attngen.tools.cross_compile)
 COMBINE_ELEMENTS_16_ROWS = 16384
 COMBINE_ELEMENTS = 4096
-
-
-def combine_rows(shape: Shape) -> int:
-    """ROWS of the combine kernel: a key/value head's real rows (group * Sq) as a power of two. The
-    split kernel writes those rows only, and the combine reads them only (its tiles need no tl.dot,
-    so no padding to 16: at Hq 32, Hkv 8 and one token, 4 rows instead of 16)."""
-    return 1 << (shape.group * shape.q_len - 1).bit_length()
 
 
 def combine_tiles(rows: int, block_d: int, splits: int) -> tuple[int, int]:
