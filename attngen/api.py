@@ -34,7 +34,7 @@ def attention(q, k, v, mask=None, *, scale=None, return_lse=False, topk=None, dr
     as SDPA does (pass 0 outside training); the mask is drawn from torch's default generator.
     Differentiable: dQ, dK and dV come from attngen's backward kernels.
     deterministic: True (the default): two backward passes on the same inputs give the same bits.
-    False: the dK/dV kernel also adds dQ's shares with atomics and the dQ kernel is skipped (two
+    False: the dK/dV programs also add dQ's shares with atomics and no dQ programs run (two
     fewer matrix products a tile; on an H200 no faster, as the atomics cost as much: see
     benchmarks/RESULTS.md), and dQ's rounding varies from run to run; under
     torch.use_deterministic_algorithms(True) the deterministic kernels run instead, as torch's own

@@ -124,8 +124,8 @@ def _backward_flops(mask, batch, heads, q_len, kv_len, head_dim, device) -> int:
 
 
 def _backward_fit_wide(config: KernelConfig, why: str) -> tuple[KernelConfig, str]:
-    """Under dropout the dK/dV kernel needs registers for the random bits, and with the atomic dQ
-    (deterministic=False) for a dQ tile: on 4 warps it spills them (sm_90, D 128, 64 x 64 tiles:
+    """Under dropout the dK/dV programs need registers for the random bits, and with the atomic dQ
+    (deterministic=False) for a dQ tile: on 4 warps they spill them (sm_90, D 128, 64 x 64 tiles:
     1100 and 888 bytes a thread, against 480 without either; attngen.tools.cross_compile), so it
     takes 8 warps, 128-key blocks and 3 stages (an H200, bf16, B=4 H=16 S=4096: p = 0.1, 6.53 ms
     against 7.24 at 64 x 64 on 4 warps; atomic dQ, 5.10 against 8.69; benchmarks/RESULTS.md)."""

@@ -44,7 +44,7 @@ def main() -> int:
     p.add_argument("--masks", default="none,causal")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--nondeterministic", action="store_true",
-                   help="time the backward with deterministic=False (dQ added atomically by the dK/dV kernel)")
+                   help="time the backward with deterministic=False (dQ added atomically by the dK/dV programs)")
     args = p.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(99)

@@ -15,7 +15,7 @@ timing. Writes training.json and training.md into --out and prints the table las
 Cases: none, causal (SDPA cuDNN and flash, FlexAttention, attngen); window512 (causal sliding window
 of 512), document (causal within 8 packed documents), prefix1024, sparse10 (a random 10% layout of
 128 x 128 blocks) (FlexAttention, attngen); every case but top-k and dropout also runs attngen with
-deterministic=False (dQ added atomically by the dK/dV kernel); topk64, topk256 (torch with a bf16 and with an fp32
+deterministic=False (dQ added atomically by the dK/dV programs); topk64, topk256 (torch with a bf16 and with an fp32
 softmax, attngen); dropout (p = 0.1 against p = 0: SDPA flash and attngen).
 """
 

@@ -1,9 +1,10 @@
 """The backward kernel family (`bwd`): templates/kernels/backward.py.jinja, its tiles and launches.
 
-Three launches a call: the preprocessing pass (each row's delta = dO·O - dLSE), dK/dV (a program
-per key block and key/value head, walking the query blocks that see the key block: the forward's
-tile classes, transposed) and dQ (a program per query block, walking the forward's own block
-lists). The scores are recomputed from the saved LSE with the forward's score code.
+Two launches a call: the preprocessing pass (each row's delta = dO·O - dLSE), then the gradients',
+whose grid holds a dK/dV program per key block and key/value head (walking the query blocks that
+see the key block: the forward's tile classes, transposed) and a dQ program per query block and
+head (walking the forward's own block lists), so that neither kind's last wave leaves the GPU half
+idle. The scores are recomputed from the saved LSE with the forward's score code.
 
 Reading order: the tiles of a config, then `backward`, which the autograd Function calls.
 """
@@ -58,7 +59,7 @@ def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, conf
     gradient of the output `dout` and of the LSE `dlse` (None where the LSE is not used).
     `forward`: the forward's config, for top-k calls (see topk_config); `dropout_p` and `seed`: the
     forward's dropout, which the kernels regenerate. `deterministic=False`: dK/dV adds dQ's shares
-    with atomics and there is no dQ launch (bits may differ from run to run)."""
+    with atomics and there are no dQ programs (bits may differ from run to run)."""
     if q.numel() == 0:  # no query (B, Hq or Sq is 0): no gradient reaches k and v
         return torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     plan = BackwardPlan(q, k, v, out, lse, thr, dout, mask, shape, scale, config, forward, dropout_p, deterministic)
@@ -66,7 +67,7 @@ def backward(q, k, v, out, lse, thr, dout, dlse, mask, shape, scale: float, conf
 
 
 class BackwardPlan:
-    """The backward's three launches prepared once per call signature (and dO's strides): per call
+    """The backward's two launches prepared once per call signature (and dO's strides): per call
     only q, k, v, the forward's output, LSE and thresholds, dO, dLSE, the dropout seed and the new
     dQ, dK, dV change, and they go straight to the prepared runners (`Launch.runner`). Built from
     one call's tensors, it keeps none of them. `backward` runs one for a single call."""
@@ -76,8 +77,8 @@ class BackwardPlan:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.deterministic = deterministic
         acc = None if deterministic else dq_buffer(q)
-        preprocess, dkdv, *dq_launch = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape,
-                                                         scale, config, forward, dropout_p, dq_acc=acc)
+        preprocess, grads = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape, scale,
+                                              config, forward, dropout_p, dq_acc=acc)
         # variant 1 loads through tensor descriptors: where the strides fit, for calls whose base
         # pointers are aligned too (checked per call)
         self.tma = takes_tma(config, thr, q, k, v, dout)
@@ -89,10 +90,8 @@ class BackwardPlan:
         self.topk = thr is not None
         self._preprocess = preprocess.runner("O", "DO", "DLSE", "DELTA", "stride_lb", "stride_lh",
                                              variants=[preprocess.options, dict(preprocess.options, HAS_DLSE=True)])
-        self._dkdv = dkdv.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DK", "DV", "DQ_ACC", "seed",
-                                 variants=self._variants(dkdv))
-        self._dq = dq_launch[0].runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "seed",
-                                       variants=self._variants(dq_launch[0])) if deterministic else None
+        self._grads = grads.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "DK", "DV", "DQ_ACC", "seed",
+                                   variants=self._variants(grads))
 
     def _variants(self, launch: Launch) -> list[dict]:
         return [launch.options, dict(launch.options, USE_TMA=True)] if self.tma else [launch.options]
@@ -110,11 +109,10 @@ class BackwardPlan:
             variant = 1
             ensure_allocator()
         if self.deterministic:
-            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, delta, seed, variant=variant)
-            self._dq(q, k, v, dout, lse, delta, thr, dq, seed, variant=variant)
+            self._grads(q, k, v, dout, lse, delta, thr, dq, dk, dv, delta, seed, variant=variant)
         else:
             acc = dq_buffer(q)
-            self._dkdv(q, k, v, dout, lse, delta, thr, dk, dv, acc, seed, variant=variant)
+            self._grads(q, k, v, dout, lse, delta, thr, dq, dk, dv, acc, seed, variant=variant)
             dq.copy_(acc)
         return dq, dk, dv
 
@@ -122,9 +120,9 @@ class BackwardPlan:
 def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale: float,
                       config: KernelConfig, forward: KernelConfig | None = None, dropout_p: float = 0.0,
                       seed: int = 0, dq_acc: torch.Tensor | None = None, use_tma: bool = False) -> list[Launch]:
-    """The launches of `backward`, in order, writing into dq, dk and dv: the three of the
-    deterministic backward; with `dq_acc` (dq_buffer's), the preprocessing and a dK/dV launch that
-    adds dQ into dq_acc atomically (the caller copies it into dq). `use_tma`: the streamed tiles
+    """The two launches of `backward`, in order: the preprocessing, then the gradients' (dK/dV and
+    dQ programs, writing into dq, dk and dv); with `dq_acc` (dq_buffer's), dK/dV programs only,
+    which add dQ into dq_acc atomically (the caller copies it into dq). `use_tma`: the streamed tiles
     load through tensor descriptors (the caller checked takes_tma and set Triton's allocator)."""
     bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
                         device=q.device)
@@ -155,24 +153,22 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                    TOPK=topk, DROPOUT=dropout_p > 0, USE_TMA=use_tma, num_warps=config.num_warps,
                    num_stages=config.num_stages)
 
-    # dK and dV: a program per key block and key/value head
+    # one launch: per key/value head, a program per key block (dK, dV), then one per query block of
+    # each query head of its group (dQ; none when dQ is added atomically)
     by_key = masks_.block_structure(mask, shape.q_len, shape.kv_len, (bm1, bn1), batch=shape.batch,
                                     heads=shape.heads, device=q.device, bound=bound, by_key=True)
-    dkdv = Launch(module.attention_bwd_dkdv, (math.ceil(shape.kv_len / bn1), shape.batch * shape.kv_heads),
-                  dict(call, **tensor_args("dk", dk, "bhnd"), **tensor_args("dv", dv, "bhnd"),
-                       DQ_ACC=dq_acc if dq_acc is not None else delta,
-                       stride_accb=dq_acc.stride(0) if dq_acc is not None else 0,
-                       stride_acch=dq_acc.stride(1) if dq_acc is not None else 0,
-                       stride_accm=dq_acc.stride(2) if dq_acc is not None else 0, **structure_args(by_key)),
-                  dict(options, BLOCK_M=bm1, BLOCK_N=bn1, CONTIGUOUS=by_key.contiguous, FWD_ORIENT=topk,
-                       DQ_ATOMIC=dq_acc is not None))
-    if dq_acc is not None:
-        return [preprocess, dkdv]
-
-    # dQ: a program per query block and head
-    by_query = masks_.block_structure(mask, shape.q_len, shape.kv_len, (bm2, bn2), batch=shape.batch,
-                                      heads=shape.heads, device=q.device, bound=bound)
-    dq_launch = Launch(module.attention_bwd_dq, (math.ceil(shape.q_len / bm2), rows),
-                       dict(call, **tensor_args("dq", dq, "bhmd"), **structure_args(by_query)),
-                       dict(options, BLOCK_M=bm2, BLOCK_N=bn2, CONTIGUOUS=by_query.contiguous))
-    return [preprocess, dkdv, dq_launch]
+    by_query = by_key if dq_acc is not None else masks_.block_structure(
+        mask, shape.q_len, shape.kv_len, (bm2, bn2), batch=shape.batch, heads=shape.heads, device=q.device,
+        bound=bound)
+    dq_programs = 0 if dq_acc is not None else shape.group * math.ceil(shape.q_len / bm2)
+    grads = Launch(module.attention_bwd, (math.ceil(shape.kv_len / bn1) + dq_programs, shape.batch * shape.kv_heads),
+                   dict(call, **tensor_args("dq", dq, "bhmd"), **tensor_args("dk", dk, "bhnd"),
+                        **tensor_args("dv", dv, "bhnd"), DQ_ACC=dq_acc if dq_acc is not None else delta,
+                        stride_accb=dq_acc.stride(0) if dq_acc is not None else 0,
+                        stride_acch=dq_acc.stride(1) if dq_acc is not None else 0,
+                        stride_accm=dq_acc.stride(2) if dq_acc is not None else 0,
+                        **structure_args(by_key, "DKV_"), **structure_args(by_query, "DQ_")),
+                   dict(options, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
+                        CONTIGUOUS1=by_key.contiguous, CONTIGUOUS2=by_query.contiguous, FWD_ORIENT=topk,
+                        DQ_ATOMIC=dq_acc is not None))
+    return [preprocess, grads]

@@ -201,12 +201,15 @@ def qk_args(q: torch.Tensor, k: torch.Tensor) -> dict:
     return {**tensor_args("q", q, "bhmd"), **tensor_args("k", k, "bhnd")}
 
 
-def structure_args(structure: masks_.BlockStructure) -> dict:
-    """The block structure's four tensors and their strides (counts: c, index lists: i)."""
+def structure_args(structure: masks_.BlockStructure, prefix: str = "") -> dict:
+    """The block structure's four tensors and their strides (counts: c, index lists: i), named
+    FULL_NUM ... stride_im, or with a prefix (a kernel that walks two structures): "DQ_" gives
+    DQ_FULL_NUM ... stride_dq_im."""
     sc, si = strides3(structure.full_num), strides3(structure.full_idx)
-    return dict(FULL_NUM=structure.full_num, FULL_IDX=structure.full_idx, PART_NUM=structure.partial_num,
-                PART_IDX=structure.partial_idx, stride_cb=sc[0], stride_ch=sc[1], stride_cm=sc[2],
-                stride_ib=si[0], stride_ih=si[1], stride_im=si[2])
+    s = f"stride_{prefix.lower()}"
+    return {f"{prefix}FULL_NUM": structure.full_num, f"{prefix}FULL_IDX": structure.full_idx,
+            f"{prefix}PART_NUM": structure.partial_num, f"{prefix}PART_IDX": structure.partial_idx,
+            f"{s}cb": sc[0], f"{s}ch": sc[1], f"{s}cm": sc[2], f"{s}ib": si[0], f"{s}ih": si[1], f"{s}im": si[2]}
 
 
 def dims(shape, scale: float) -> dict:
