@@ -182,7 +182,7 @@ def test_plans_are_cached_per_call_signature(tmp_path, clean_dispatch):
 
 
 def test_dropout_calls_take_backward_tiles_that_do_not_spill(tmp_path, clean_dispatch):
-    """Dropout's random bits need registers in the dK/dV kernel: a backward config on 4 warps runs on
+    """Dropout's random bits need registers in the dK/dV programs: a backward config on 4 warps runs on
     8 with 128-key blocks and 3 stages under dropout (it spills on sm_90 otherwise), and says so;
     the forward's config, an 8-warp backward and top-k calls' tiles stay as they are. The call runs
     with the adapted configs and stays right."""

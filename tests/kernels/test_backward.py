@@ -23,7 +23,7 @@ GRAD_TOLERANCE = {dtype: 2 * tol for dtype, tol in TOLERANCE.items()}
 
 
 def nondeterministic(q, k, v, **kwargs):
-    """attngen.attention with deterministic=False: dQ added atomically by the dK/dV kernel."""
+    """attngen.attention with deterministic=False: dQ added atomically by the dK/dV programs."""
     return attngen.attention(q, k, v, deterministic=False, **kwargs)
 
 
@@ -157,7 +157,7 @@ def test_tiles_of_the_two_kernels():
 @pytest.mark.parametrize("name", ["none", "causal_bottom_right", "sliding_window", "document", "alibi",
                                   "block_sparse|sliding_window&softcap", "keep&causal&bias"])
 def test_atomic_dq_matches_the_reference(name):
-    """deterministic=False: the same gradients, to rounding, with dQ added by the dK/dV kernel
+    """deterministic=False: the same gradients, to rounding, with dQ added by the dK/dV programs
     (ragged lengths, Sq != Sk, GQA for half the masks, the LSE's gradient)."""
     heads, kv_heads = (4, 2) if len(name) % 2 else (2, 2)
     q, k, v = rand_qkv(2, heads, kv_heads, 100, 77, 24, torch.float32)
@@ -184,7 +184,7 @@ def test_atomic_dq_with_topk_dropout_and_fully_masked_rows():
 def test_torchs_deterministic_mode_runs_the_deterministic_kernels(monkeypatch):
     """deterministic=False under torch.use_deterministic_algorithms(True): the deterministic
     kernels run (each backward's path recorded as it runs) and give their very bits. Bits alone
-    cannot tell the paths apart: with one key block the atomic adds round as the dQ kernel does."""
+    cannot tell the paths apart: with one key block the atomic adds round as the dQ programs do."""
     paths = []
     run = backward_module.BackwardPlan.run
     monkeypatch.setattr(backward_module.BackwardPlan, "run",
