@@ -108,11 +108,9 @@ class BackwardPlan:
         if self.tma and aligned(q, k, v, dout):
             variant = 1
             ensure_allocator()
-        if self.deterministic:
-            self._grads(q, k, v, dout, lse, delta, thr, dq, dk, dv, delta, seed, variant=variant)
-        else:
-            acc = dq_buffer(q)
-            self._grads(q, k, v, dout, lse, delta, thr, dq, dk, dv, acc, seed, variant=variant)
+        acc = delta if self.deterministic else dq_buffer(q)  # DQ_ACC: unused when deterministic
+        self._grads(q, k, v, dout, lse, delta, thr, dq, dk, dv, acc, seed, variant=variant)
+        if not self.deterministic:
             dq.copy_(acc)
         return dq, dk, dv
 
