@@ -176,7 +176,9 @@ def block_structure(m, q_len: int, kv_len: int, block_size, *, batch: int = 1, h
 
     `by_key`: the lists per key block instead (the query blocks that see it, fully apart from in
     part), the transpose of the same tile classes: what a backward kernel walking the key blocks in
-    its outer loop visits, exactly the tiles the forward visits.
+    its outer loop visits, exactly the tiles the forward visits. There the ragged last query block
+    is never full, as the ragged last key block is never full by query: the kernel loads a full
+    block's query rows without bounds checks.
 
     A mask with tensor parameters is cached while those very tensor objects live and are not
     modified in place (torch's version counter): a mask built once per batch and used by every
@@ -197,6 +199,8 @@ def block_structure(m, q_len: int, kv_len: int, block_size, *, batch: int = 1, h
         return hit[0]
     classes = classify(bound, q_len, kv_len, block_size, batch=batch, heads=heads, device=device)
     if by_key:
+        if q_len % block_size[0]:  # the kernel bounds-checks the rows of the ragged last query block
+            classes[..., -1, :] = classes[..., -1, :].clamp(max=PARTIAL)
         classes = classes.transpose(-1, -2)
     # the run check costs a device sync: worth it once per shape, not once per new tensor
     result = structure_from_classes(classes, block_size, check_contiguous=not tensors)

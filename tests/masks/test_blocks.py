@@ -51,12 +51,19 @@ def test_block_classes_match_brute_force(name):
 
 
 def test_lists_per_key_block_are_the_transposed_classes():
-    """by_key: the query blocks that see each key block (a backward kernel's outer loop), the same tile classes."""
+    """by_key: the query blocks that see each key block (a backward kernel's outer loop), the same tile classes,
+    but for the ragged last query block (100 rows in 16-row blocks), whose full tiles become partial: the
+    kernel loads a full tile's query rows without bounds checks."""
     m = masks_.as_mask(ZOO["sliding_window|prefix_lm"](1, 1, 100, 130, DEVICE))
     by_query = masks_.block_structure(m, 100, 130, (16, 32), device=DEVICE)
     by_key = masks_.block_structure(m, 100, 130, (16, 32), device=DEVICE, by_key=True)
-    assert torch.equal(by_key.classes, by_query.classes.transpose(-1, -2))
+    want = by_query.classes.transpose(-1, -2).clone()
+    assert (want[..., -1] == blocks_.FULL).any()  # the prefix's keys: full tiles in the last query block
+    want[..., -1] = want[..., -1].clamp(max=blocks_.PARTIAL)
+    assert torch.equal(by_key.classes, want)
     assert by_key.full_num.shape[-1] == math.ceil(130 / 32)
+    even = masks_.block_structure(m, 96, 130, (16, 32), device=DEVICE, by_key=True)  # no ragged block
+    assert (even.classes[..., -1] == blocks_.FULL).any()
 
 
 def test_structure_from_classes_lists_blocks_in_order():
