@@ -84,13 +84,13 @@ class BackwardPlan:
         self.tma = takes_tma(config, thr, q, k, v, dout)
         self.rows = shape.batch * shape.heads * shape.q_len
         self.new_dq, self.new_dk, self.new_dv = maker(dq), maker(dk), maker(dv)
-        self.new_delta = maker(torch.empty(self.rows, dtype=torch.float32, device=q.device))
+        self.new_delta = maker(torch.empty(2 * self.rows, dtype=torch.float32, device=q.device))
         # dLSE (B, Hq, Sq) made contiguous, where given: these strides; else unused
         self.dlse_strides = (shape.heads * shape.q_len, shape.q_len)
         self.topk = thr is not None
-        self._preprocess = preprocess.runner("O", "DO", "DLSE", "DELTA", "stride_lb", "stride_lh",
+        self._preprocess = preprocess.runner("O", "DO", "LSE", "DLSE", "DELTA", "stride_lb", "stride_lh",
                                              variants=[preprocess.options, dict(preprocess.options, HAS_DLSE=True)])
-        self._grads = grads.runner("Q", "K", "V", "DO", "LSE", "DELTA", "THR", "DQ", "DK", "DV", "DQ_ACC", "seed",
+        self._grads = grads.runner("Q", "K", "V", "DO", "DELTA", "THR", "DQ", "DK", "DV", "DQ_ACC", "seed",
                                    variants=self._variants(grads))
 
     def _variants(self, launch: Launch) -> list[dict]:
@@ -100,16 +100,16 @@ class BackwardPlan:
         dq, dk, dv = self.new_dq(), self.new_dk(), self.new_dv()
         delta = self.new_delta()
         if dlse is None:
-            self._preprocess(out, dout, delta, delta, 0, 0)
+            self._preprocess(out, dout, lse, delta, delta, 0, 0)
         else:
-            self._preprocess(out, dout, dlse.contiguous(), delta, *self.dlse_strides, variant=1)
+            self._preprocess(out, dout, lse, dlse.contiguous(), delta, *self.dlse_strides, variant=1)
         thr = thr if self.topk else delta
         variant = 0
         if self.tma and aligned(q, k, v, dout):
             variant = 1
             ensure_allocator()
         acc = delta if self.deterministic else dq_buffer(q)  # DQ_ACC: unused when deterministic
-        self._grads(q, k, v, dout, lse, delta, thr, dq, dk, dv, acc, seed, variant=variant)
+        self._grads(q, k, v, dout, delta, thr, dq, dk, dv, acc, seed, variant=variant)
         if not self.deterministic:
             dq.copy_(acc)
         return dq, dk, dv
@@ -126,13 +126,14 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                         device=q.device)
     module = module_for(TEMPLATE, mask)
     rows = shape.batch * shape.heads
-    delta = torch.empty(rows * shape.q_len, dtype=torch.float32, device=q.device)
+    # each row's delta, then each row's LSE in base 2
+    delta = torch.empty(2 * rows * shape.q_len, dtype=torch.float32, device=q.device)
 
-    # each row's delta
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else delta
     preprocess = Launch(module.attention_bwd_preprocess, (math.ceil(shape.q_len / PREPROCESS_ROWS), rows),
-                        dict(tensor_args("o", out, "bhmd"), **tensor_args("do", dout, "bhmd"), DLSE=dlse, DELTA=delta,
+                        dict(tensor_args("o", out, "bhmd"), **tensor_args("do", dout, "bhmd"), LSE=lse, DLSE=dlse,
+                             DELTA=delta,
                              stride_lb=dlse.stride(0) if has_dlse else 0, stride_lh=dlse.stride(1) if has_dlse else 0,
                              heads=shape.heads, q_len=shape.q_len),
                         dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=PREPROCESS_ROWS,
@@ -145,7 +146,7 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
     else:
         (bm1, bn1), (bm2, bn2) = tiles(config)
     call = dict(tensor_args("q", q, "bhmd"), **tensor_args("k", k, "bhnd"), **tensor_args("v", v, "bhnd"),
-                **tensor_args("do", dout, "bhmd"), LSE=lse, DELTA=delta, THR=thr if topk else delta,
+                **tensor_args("do", dout, "bhmd"), DELTA=delta, THR=thr if topk else delta,
                 **dims(shape, scale), seed=seed, dropout_p=dropout_p, **mask_args(bound))
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), DOT_PRECISION=dot_precision(q.dtype),
                    TOPK=topk, DROPOUT=dropout_p > 0, USE_TMA=use_tma, num_warps=config.num_warps,
