@@ -84,11 +84,11 @@ class BackwardPlan:
         self.tma = takes_tma(config, thr, q, k, v, dout)
         self.rows = shape.batch * shape.heads * shape.q_len
         self.new_dq, self.new_dk, self.new_dv = maker(dq), maker(dk), maker(dv)
-        self.new_delta = maker(torch.empty(2 * self.rows, dtype=torch.float32, device=q.device))
+        self.new_delta = maker(torch.empty(delta_size(self.rows, dropout_p), dtype=torch.float32, device=q.device))
         # dLSE (B, Hq, Sq) made contiguous, where given: these strides; else unused
         self.dlse_strides = (shape.heads * shape.q_len, shape.q_len)
         self.topk = thr is not None
-        self._preprocess = preprocess.runner("O", "DO", "LSE", "DLSE", "DELTA", "stride_lb", "stride_lh",
+        self._preprocess = preprocess.runner("O", "DO", "LSE", "DLSE", "DELTA", "seed", "stride_lb", "stride_lh",
                                              variants=[preprocess.options, dict(preprocess.options, HAS_DLSE=True)])
         self._grads = grads.runner("Q", "K", "V", "DO", "DELTA", "THR", "DQ", "DK", "DV", "DQ_ACC", "seed",
                                    variants=self._variants(grads))
@@ -100,9 +100,9 @@ class BackwardPlan:
         dq, dk, dv = self.new_dq(), self.new_dk(), self.new_dv()
         delta = self.new_delta()
         if dlse is None:
-            self._preprocess(out, dout, lse, delta, delta, 0, 0)
+            self._preprocess(out, dout, lse, delta, delta, seed, 0, 0)
         else:
-            self._preprocess(out, dout, lse, dlse.contiguous(), delta, *self.dlse_strides, variant=1)
+            self._preprocess(out, dout, lse, dlse.contiguous(), delta, seed, *self.dlse_strides, variant=1)
         thr = thr if self.topk else delta
         variant = 0
         if self.tma and aligned(q, k, v, dout):
@@ -113,6 +113,12 @@ class BackwardPlan:
         if not self.deterministic:
             dq.copy_(acc)
         return dq, dk, dv
+
+
+def delta_size(rows: int, dropout_p: float) -> int:
+    """Floats of the preprocessing's output for `rows` query rows: per row its delta and base-2 LSE,
+    and under dropout its dropout key and multiplier."""
+    return (4 if dropout_p > 0 else 2) * rows
 
 
 def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale: float,
@@ -126,18 +132,18 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                         device=q.device)
     module = module_for(TEMPLATE, mask)
     rows = shape.batch * shape.heads
-    # each row's delta, then each row's LSE in base 2
-    delta = torch.empty(2 * rows * shape.q_len, dtype=torch.float32, device=q.device)
+    # each row's delta, its LSE in base 2 and, under dropout, its dropout key and multiplier
+    delta = torch.empty(delta_size(rows * shape.q_len, dropout_p), dtype=torch.float32, device=q.device)
 
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else delta
     preprocess = Launch(module.attention_bwd_preprocess, (math.ceil(shape.q_len / PREPROCESS_ROWS), rows),
                         dict(tensor_args("o", out, "bhmd"), **tensor_args("do", dout, "bhmd"), LSE=lse, DLSE=dlse,
-                             DELTA=delta,
+                             DELTA=delta, seed=seed,
                              stride_lb=dlse.stride(0) if has_dlse else 0, stride_lh=dlse.stride(1) if has_dlse else 0,
                              heads=shape.heads, q_len=shape.q_len),
                         dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=PREPROCESS_ROWS,
-                             HAS_DLSE=has_dlse, num_warps=4))
+                             HAS_DLSE=has_dlse, DROPOUT=dropout_p > 0, num_warps=4))
 
     topk = thr is not None
     if topk:
