@@ -36,7 +36,8 @@ class BlockStructure:
     partial_num: torch.Tensor
     partial_idx: torch.Tensor
     # every list is a run of consecutive blocks (causal, windows, chunks): the kernel then steps
-    # through a range instead of reading indices. False when unknown (not checked, to avoid a sync)
+    # through a range instead of reading indices. False when unknown (not checked, to avoid a sync):
+    # the kernel then reads each list's ends and steps through the lists that are runs
     contiguous: bool = False
 
     @property
