@@ -161,6 +161,15 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
         **_DECODE_UNTUNED,
     },
 }
+# packed sequences (attngen.varlen_attention; attngen.families picks this table): at 128x64 w4 the
+# mask's per-query tensors are loaded as 128 x 1 tiles, which Triton lays out a row per thread, so
+# the mask goes to the MMA layout through shared memory at every partial tile, and the kernel
+# spills; 64-row tiles avoid both. sm90 D <= 128: on an H100 (benchmarks/varlen.py, 8 packed
+# causal sequences, docs/journal/backward.md) the forward took 0.822 ms at 64x64 w4 s2 TMA against
+# 0.879 at 128x64 w4 s2 TMA and 1.038 at 128x64 w8 s2 TMA. D <= 64 and the other
+# architectures: the fwd rows.
+DEFAULTS["fwd_varlen"] = dict(DEFAULTS["fwd"],
+                              sm90=[DEFAULTS["fwd"]["sm90"][0], (256, KernelConfig(64, 64, 4, 2, use_tma=True))])
 
 
 def arch_of(device) -> str:

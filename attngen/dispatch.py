@@ -117,7 +117,7 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     batch = family.batch_bucket(shape.batch)
     # what makes the kernels hold more a tile (top-k runs every kernel at the forward's tiles: nothing to adapt)
     wide = "" if topk else "dropout" if dropout else "atomic dQ" if atomic_dq else ""
-    table = family.table(shape, q.device, paged)
+    table = family.table(shape, q.device, paged, mask)
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
                  mask.key if mask is not None else None, rows, topk_pad(topk), batch, wide, table, paged)
     choice = _choices.get(cache_key)

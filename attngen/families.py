@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from . import masks as masks_
 from . import reference
 from .checks import check_qkv, check_scale, check_topk
 from .config import KernelConfig, arch_of, default_config, default_entry
@@ -43,16 +44,16 @@ class KernelFamily:
     fit_wide: Callable = lambda config, why: (config, "")
     query_len: int | None = None  # the tuner's query length: None for Sq = Sk, else this many new tokens
     per_batch: bool = False  # registry entries per batch bucket (else one entry serves every batch)
-    # (shape, device, paged) -> the attngen.config.DEFAULTS key of a call's fallback config (None: the name)
+    # (shape, device, paged, mask) -> the attngen.config.DEFAULTS key of a call's fallback config (None: the name)
     default_table: Callable | None = None
 
     def batch_bucket(self, batch: int) -> int:
         """The registry key's batch bucket of a call: 0 (any) unless the family tunes per batch."""
         return registry_.batch_bucket(batch) if self.per_batch and batch > 0 else 0
 
-    def table(self, shape, device, paged: bool = False) -> str:
+    def table(self, shape, device, paged: bool = False, mask=None) -> str:
         """The DEFAULTS key of a call's fallback config (paged: a decode call over a paged cache)."""
-        return self.default_table(shape, device, paged) if self.default_table is not None else self.name
+        return self.default_table(shape, device, paged, mask) if self.default_table is not None else self.name
 
     def default(self, arch: str, head_dim: int, table: str | None = None) -> tuple[KernelConfig, str]:
         """The fallback config where the registry has none (from DEFAULTS[table], by default the
@@ -84,6 +85,15 @@ def _forward_fit(config: KernelConfig, q_len: int) -> tuple[KernelConfig, str]:
     return config, ""
 
 
+def _forward_table(shape, device, paged: bool, mask) -> str:
+    """The DEFAULTS key of a forward call's fallback: "fwd_varlen" for packed sequences (a mask of
+    attngen.varlen_attention: its terms read per-query tensors of the packing), else "fwd"."""
+    if mask is not None and any(term.template.name == masks_.SEQUENCE_KEYS
+                                or term.template.name.endswith(masks_.LOCAL_SUFFIX) for term in mask.terms()):
+        return "fwd_varlen"
+    return "fwd"
+
+
 FORWARD = KernelFamily(
     name="fwd",
     doc="forward attention (FlashAttention-2 online softmax), top-k softmax included",
@@ -96,6 +106,7 @@ FORWARD = KernelFamily(
     reference=_forward_reference,
     flops=attention_flops,
     fit=_forward_fit,
+    default_table=_forward_table,
 )
 
 

@@ -40,6 +40,25 @@ def test_the_forward_family():
     assert FORWARD.fit(KernelConfig(64, 64, 4, 2), 4096) == (KernelConfig(64, 64, 4, 2), "")
 
 
+
+def test_the_forward_fallback_of_packed_sequences():
+    """A varlen call's mask (its terms read the packing's per-query tensors) takes the fwd_varlen
+    row: 64-row tiles on sm90 for D 65-128, where 128-row tiles convert the mask through shared
+    memory; every other mask, and other head dims and architectures, the fwd rows."""
+    from attngen.varlen import _localize, _positions
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    positions = _positions(cu, cu, 12)
+    table = lambda mask: FORWARD.table(None, torch.device("cpu"), False, mask)  # noqa: E731
+    for mask in ("causal", None, attngen.mask("sliding_window", window=4) & attngen.mask("causal")):
+        assert table(_localize(mask, positions)) == "fwd_varlen"
+    for mask in (None, as_mask("causal"), attngen.mask("document", doc_ids=torch.zeros(12, dtype=torch.int32))):
+        assert table(mask) == "fwd"
+    assert FORWARD.default("sm90", 128, "fwd_varlen")[0] == KernelConfig(64, 64, 4, 2, use_tma=True)
+    assert FORWARD.default("sm90", 128, "fwd")[0] == KernelConfig(128, 64, 4, 2, use_tma=True)
+    for arch, head_dim in (("sm90", 64), ("sm90", 256), ("sm80", 128), ("interpreter", 128)):
+        assert FORWARD.default(arch, head_dim, "fwd_varlen")[0] == FORWARD.default(arch, head_dim, "fwd")[0]
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_run_agrees_with_reference(name):
     """What the tuner's correctness gate compares: the family's run at its fallback config, against

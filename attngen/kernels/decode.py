@@ -167,7 +167,7 @@ def pairs_fill(shape: Shape, sms: int) -> bool:
     return shape.batch * shape.kv_heads >= 0.8 * 2 * sms
 
 
-def default_table(shape: Shape, device: torch.device, paged: bool = False) -> str:
+def default_table(shape: Shape, device: torch.device, paged: bool = False, mask=None) -> str:
     """The DEFAULTS key of a decode call's fallback config: "decode_full" (the pairs fill the GPU),
     else a split call's: "decode_paged" over a paged cache, "decode" over a contiguous one."""
     if pairs_fill(shape, sm_count(device)):

@@ -155,10 +155,12 @@ def decode_launches(block_m: int, block_n: int, warps: int, stages: int, mask: s
 def varlen_launches(mask: str) -> dict:
     """{"varlen": launches, "document": launches}: the forward, dK/dV and dQ launches of a
     varlen_attention call with `mask` on 1024 packed tokens in 5 sequences, and of attention() on
-    the same packing as `document & mask` (the same tiles), at the sm_90 default configs."""
+    the same packing as `document & mask`, at the sm_90 default configs (the forward's for each
+    mask: attngen.families.FORWARD.table)."""
     from .. import masks as masks_
     from ..checks import check_qkv
     from ..config import default_config
+    from ..families import FORWARD
     from ..kernels.backward import backward_launches as bwd_launches
     from ..kernels.forward import blocks, forward_launch
     from ..varlen import _localize, _positions
@@ -169,10 +171,11 @@ def varlen_launches(mask: str) -> dict:
     shape = check_qkv(q, q, q, kernel=False)
     lse = torch.zeros(1, 2, shape.q_len)
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
-    fwd, bwd = default_config("fwd", "sm90", 128), default_config("bwd", "sm90", 128)
+    bwd = default_config("bwd", "sm90", 128)
     out = {}
     for name, m in (("varlen", _localize(mask, _positions(cu, cu, shape.q_len))),
                     ("document", masks_.mask("document", doc_ids=doc_ids) & masks_.parse_spec(mask))):
+        fwd = default_config(FORWARD.table(shape, q.device, False, m), "sm90", 128)
         bound, structure = blocks(q, m, shape, fwd)
         out[name] = [forward_launch(q, q, q, q, lse, None, bound, structure, shape, 128 ** -0.5, fwd, fwd.use_tma)]
         out[name] += bwd_launches(q, q, q, q, lse, None, q, None, q, q, q, m, shape, 128 ** -0.5, bwd)[1:]
