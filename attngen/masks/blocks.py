@@ -37,7 +37,7 @@ class BlockStructure:
     partial_idx: torch.Tensor
     # every list is a run of consecutive blocks (causal, windows, chunks): the kernel then steps
     # through a range instead of reading indices. False when unknown (not checked, to avoid a sync):
-    # the kernel then reads each list's ends and steps through the lists that are runs
+    # the backward and top-k kernels then read each list's ends and step through the lists that are runs
     contiguous: bool = False
 
     @property
