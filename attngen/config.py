@@ -136,9 +136,11 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
     # 32, Hkv 8, 36 configs; benchmarks/RESULTS.md): two programs per SM need 128-key tiles to keep
     # enough bytes in flight (B1 64k: 100.5 µs against 121 at 64x3 stages), while 512 programs want
     # 64-key tiles and 2 stages (B64 2k: 133.8 µs contiguous, 137.6 paged, against 149 and 186 at 3
-    # stages). A paged split call takes 64-key tiles too: four of its programs fit an SM, and the
-    # split rule counts them (twice the splits of 128-key tiles; B1 64k 72.0-73.9 µs against 75.5-76.3
-    # with the L2 clean; docs/journal/decode.md). The other rows are untuned starting points
+    # stages). A paged split call takes 128-key tiles as a contiguous one: with its gathered rows'
+    # offsets in int32 (OFFSETS_32), 128-key tiles at two programs an SM beat 64-key tiles at four
+    # on an H100 (B1 64k 96.6 µs against 97.7-97.8 in a graph, 98.3-98.4 against 100.4-100.7 with the
+    # L2 clean; B8 8k 95.5-95.7 against 97.1-97.6, 97.4-97.5 against 99.6-99.9; docs/journal/decode.md,
+    # run 132). The other rows are untuned starting points
     "decode": {
         "sm90": [
             (128, KernelConfig(256, 128, 4, 2)),
@@ -148,7 +150,7 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
     },
     "decode_paged": {
         "sm90": [
-            (128, KernelConfig(256, 64, 4, 2)),
+            (128, KernelConfig(256, 128, 4, 2)),
             (256, KernelConfig(256, 32, 4, 2)),
         ],
         **_DECODE_UNTUNED,

@@ -26,7 +26,7 @@ from .. import masks as masks_
 from ..checks import Shape, check_flag, check_scale, interpreter_on
 from ..config import KernelConfig, block_d_for
 from ..dtypes import SUPPORTED as SUPPORTED_DTYPES
-from .launch import Launch, dot_precision, launch_occupancy, maker, mask_args, module_for, tensor_args
+from .launch import Launch, dot_precision, maker, mask_args, module_for, tensor_args
 
 TEMPLATE = "decode"  # templates/kernels/decode.py.jinja
 MAX_ROWS = 128  # query rows one key/value head packs into a tile: group * Sq
@@ -175,19 +175,22 @@ def default_table(shape: Shape, device: torch.device, paged: bool = False, mask=
     return "decode_paged" if paged else "decode"
 
 
-def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int, per_sm: int = 2) -> int:
+def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int) -> int:
     """The split rule: how many programs share each (sequence, key/value head)'s keys. Each program
     takes an equal share of the keys in whole tiles (at least config.block_m keys: the kernel's
-    rule, over the cache's capacity here), and programs run in waves of `per_sm` per SM (the split
-    kernel's occupancy, `split_occupancy`); a count n costs its waves times its share (the busiest
-    SM's keys), and the rule takes the cheapest, the fewest splits among those within 1% of it. No
-    split when the (sequence, head) pairs alone fill 80% of two programs per SM. On an H200 (batch
+    rule, over the cache's capacity here), and programs run in waves of two per SM, over a paged
+    cache too (an H100, 2026-12-06: counting the three programs an SM that the paged 128-key
+    kernel's registers allow gave 6 splits at batch 8 and 8k keys, 98.6 µs in a CUDA graph, against
+    96.2 at 4 splits, SDPA's flash kernel 96.7 in both runs; at batch 1 and 64k keys 47 splits and
+    32 took the same, 97.5 and 97.4); a count n costs its waves times its share (the busiest SM's
+    keys), and the rule takes the cheapest, the fewest splits among those within 1% of it. No split
+    when the (sequence, head) pairs alone fill 80% of two programs per SM. On an H200 (batch
     1, 64k keys, 8 heads, 128-key tiles, two programs per SM) the cost's order was the time's: 32
     splits 81.1 µs, 31 81.9, 29 82.7, 26 82.7, 24 84.4, 40 86.4, 36 88.2, 16 90.4; 33 splits, tied
     with 32 but with an empty split a head, took 83.9. The rule reads only sizes the host knows;
     each program then shares out its own sequence's length in the kernel, so lengths that change
     never change the grid."""
-    programs, slots = shape.batch * shape.kv_heads, per_sm * sms
+    programs, slots = shape.batch * shape.kv_heads, 2 * sms
     most = max(1, math.ceil(cache.capacity / max(config.block_m, config.block_n)))
     if pairs_fill(shape, sms) or most == 1:
         return 1
@@ -201,24 +204,6 @@ def split_count(shape: Shape, cache: Cache, config: KernelConfig, sms: int, per_
     costs = [cost(n) for n in range(1, most + 1)]
     cheapest = min(costs)
     return next(n for n, c in enumerate(costs, 1) if c <= 1.01 * cheapest)
-
-
-def split_occupancy(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape: Shape, cache: Cache, scale: float,
-                    config: KernelConfig, from_end: bool = True, pdl: bool | None = None) -> int:
-    """The programs per SM the split rule counts on. A paged call: as many as one SM holds of its split
-    kernel (launch.programs_per_sm), compiled for the call's device now rather than at the first
-    launch: its rows are gathered, and more programs keep more of them in flight (an H200, 64-key
-    tiles: four an SM, 64 splits at batch 1 and 64k keys, 72.0-74.3 µs with the L2 clean against
-    74.7-76.3 at 128-key tiles and 32 splits). A contiguous call: two, whatever its kernel holds: two
-    programs an SM of 128-key tiles already stream at the copy's bandwidth, and three (its occupancy)
-    took the same time with the L2 clean and 0.5-1 µs longer with do_bench, for a combine over more
-    splits. Also two under the interpreter and for calls that are not split."""
-    if (not cache.paged or q.device.type != "cuda" or interpreter_on()
-            or pairs_fill(shape, sm_count(q.device))):
-        return 2
-    launch = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale, config,
-                             2, from_end, pdl)[0]
-    return launch_occupancy(launch, q.device)
 
 
 def takes_short_query(shape: Shape, topk: int, dropout_p: float) -> bool:
@@ -240,6 +225,11 @@ def combine_rows(shape: Shape) -> int:
 def rows_tile(shape: Shape) -> int:
     """BLOCK_M: the rows of a key/value head (group * Sq) as a power of two >= 16 (tl.dot's least)."""
     return max(16, combine_rows(shape))
+
+
+def span(t: torch.Tensor) -> int:
+    """How many elements from its first to its last element, and one: what an offset into `t` reaches."""
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
 
 
 def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape: Shape, cache: Cache,
@@ -272,6 +262,7 @@ def decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, sha
                    PAGED=cache.paged, SPLIT=split, STORE_LSE=lse is not None, DOT_PRECISION=dot_precision(q.dtype),
                    FROM_END=from_end, PAGE_SIZE=cache.page_size if cache.paged else 1,
                    WHOLE_PAGES=cache.paged and cache.page_size % config.block_n == 0, PDL=pdl,
+                   OFFSETS_32=cache.paged and all(span(t) <= 2 ** 31 for t in (k_cache, v_cache)),
                    num_warps=config.num_warps, num_stages=config.num_stages)
     launches = [Launch(module.decode_fwd, (splits, programs), args, options)]
     if split:
@@ -342,8 +333,7 @@ class DecodePlan:
         self.full = full_lengths(shape, q.device) if seq_lens is None else None
         lens = self.full if seq_lens is None else seq_lens
         out, lse = _outputs(q, shape, return_lse)
-        self.splits = splits or split_count(shape, cache, config, sm_count(q.device), split_occupancy(
-            q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale, config, from_end, pdl))
+        self.splits = splits or split_count(shape, cache, config, sm_count(q.device))
         launches = decode_launches(q, k_cache, v_cache, block_table, lens, out, lse, bound, shape, cache, scale,
                                    config, self.splits, from_end, pdl)
         self.new_out = maker(out)

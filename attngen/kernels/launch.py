@@ -113,30 +113,6 @@ def maker(t: torch.Tensor):
     return functools.partial(torch.empty_strided, t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
-def programs_per_sm(registers: int, shared: int, num_warps: int, regs_per_sm: int = 65536,
-                    shared_per_sm: int = 233472, threads_per_sm: int = 2048) -> int:
-    """How many programs of a kernel one SM holds at once, by CUDA's rules on sm_80 and sm_90: its
-    registers (allocated 256 a warp), its shared memory (plus the 1 KiB the system keeps a program)
-    and its threads, at most 32. The defaults are an H100's and H200's."""
-    warp_regs = -(-registers * 32 // 256) * 256
-    by_regs = regs_per_sm // max(1, warp_regs) // num_warps
-    by_shared = shared_per_sm // (shared + 1024)
-    by_threads = threads_per_sm // (32 * num_warps)
-    return max(1, min(by_regs, by_shared, by_threads, 32))
-
-
-def launch_occupancy(launch: "Launch", device: torch.device) -> int:
-    """programs_per_sm of `launch`'s kernel on `device` (a CUDA device), compiled for it now (the
-    launch itself will find it in Triton's cache)."""
-    compiled = launch.kernel.warmup(*launch.values, grid=launch.grid, **launch.options)
-    compiled._init_handles()
-    props = torch.cuda.get_device_properties(device)
-    return programs_per_sm(compiled.n_regs, compiled.metadata.shared, launch.options.get("num_warps", 4),
-                           getattr(props, "regs_per_multiprocessor", 65536),
-                           getattr(props, "shared_memory_per_multiprocessor", 233472),
-                           props.max_threads_per_multi_processor)
-
-
 def tma_eligible(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need a unit last stride and 16-byte aligned base and strides."""
     for t in tensors:

@@ -13,7 +13,6 @@ from attngen.checks import Shape
 from attngen.config import KernelConfig
 from attngen.kernels import decode as decode_kernels
 from attngen.kernels.decode import Cache, combine_rows, combine_tiles, decode_forward, split_count
-from attngen.kernels.launch import programs_per_sm
 from helpers import DEVICE, assert_close, poisoned_like
 from masks_zoo import ZOO
 
@@ -135,6 +134,38 @@ def test_pages_in_other_layouts_are_read_in_place():
     assert torch.equal(decode_forward(q, kv[0], kv[1], lens, block_table=table, config=CONFIG, splits=2)[0], expected)
 
 
+def test_gathered_rows_offsets_in_int64_give_the_same_bits(monkeypatch):
+    """A paged cache whose elements all lie within 2**31 of its start computes the gathered rows'
+    offsets in int32 (OFFSETS_32); a larger one in int64. Both read the same rows: the output is the
+    same bit for bit when the span check is made to fail for a small cache."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v, lens = make_case(2, 4, 2, 1, 4 * PAGE, torch.float32, [32, 13], g)
+    pool_k, pool_v, table = paged(k, v, lens, g)
+    fast = decode_forward(q, pool_k, pool_v, lens, block_table=table, config=CONFIG, splits=2)[0]
+    monkeypatch.setattr(decode_kernels, "span", lambda t: 2 ** 31 + 1)
+    wide = decode_forward(q, pool_k, pool_v, lens, block_table=table, config=CONFIG, splits=2)[0]
+    assert torch.equal(fast, wide)
+
+
+def test_which_caches_take_int32_offsets():
+    """OFFSETS_32 exactly where every element of K and V is under 2**31 elements from the first (a
+    paged cache; a contiguous one never needs it): shapes on the meta device, nothing allocated."""
+    meta = dict(device="meta")
+    q = torch.empty(2, 4, 1, 128, dtype=torch.bfloat16, **meta)
+    lens = torch.empty(2, dtype=torch.int32, **meta)
+    table = torch.empty(2, 256, dtype=torch.int32, **meta)
+    most = 2 ** 31 // (16 * 2 * 128)  # pages of 16 rows x 2 heads x 128 that fit 2**31 elements exactly
+    for pages, small in ((512, True), (most, True), (most + 1, False)):
+        cache = torch.empty(pages, 16, 2, 128, dtype=torch.bfloat16, **meta)
+        assert (decode_kernels.span(cache) <= 2 ** 31) is small
+        shape, layout = decode_kernels.check_decode(q, cache, cache, lens, table, kernel=False)
+        launch = decode_kernels.decode_launches(q, cache, cache, table, lens, q, None, None, shape, layout, 0.1,
+                                                CONFIG, 4)[0]
+        assert launch.options["OFFSETS_32"] is small, pages
+    assert decode_kernels.span(torch.empty(3, 5, **meta).t()) == 15
+    assert decode_kernels.span(torch.empty(0, 5, **meta)) == 0
+
+
 @pytest.mark.parametrize("page", [1, 3, 16, 64])
 def test_page_sizes(page):
     """Pages smaller than a tile, of an odd size, of a tile, and larger than a tile."""
@@ -177,10 +208,10 @@ def test_split_rule():
     """Two program slots per SM; the count whose waves times its share of keys (in whole tiles) is
     least, the fewest splits among ties; never splits shorter than config.block_m keys; none when
     the (sequence, head) pairs fill the GPU."""
-    def splits(batch, kv_heads, capacity, block_m=256, sms=132, per_sm=2):
+    def splits(batch, kv_heads, capacity, block_m=256, sms=132, paged=False):
         shape = Shape(batch, kv_heads * 4, kv_heads, 1, capacity, 128)
-        return split_count(shape, Cache(False, capacity, batch, capacity), KernelConfig(block_m, 64, 4, 2), sms,
-                           per_sm)
+        return split_count(shape, Cache(paged, 16 if paged else capacity, batch, capacity),
+                           KernelConfig(block_m, 64, 4, 2), sms)
     # 256 of 264 slots, 2048 keys each (29: 232 slots, 2304 keys each; 33: 2048 keys, one split empty)
     assert splits(1, 8, 65536) == 32
     assert splits(8, 8, 8192) == 4  # 256 programs in one wave (5 would take two)
@@ -189,18 +220,8 @@ def test_split_rule():
     assert splits(1, 8, 1024) == 4  # 1024 keys: four splits of 256 at most
     assert splits(1, 8, 100) == 1
     assert splits(1, 1, 65536, block_m=4096) == 16  # at most 16 splits of 4096 keys
-    # four programs an SM (a paged cache's 64-key tiles): twice the splits, one wave of 512 programs
-    assert splits(1, 8, 65536, per_sm=4) == 64 and splits(8, 8, 8192, per_sm=4) == 8
-    assert splits(64, 8, 2048, per_sm=4) == 1  # the pairs fill the GPU whatever the occupancy
-
-
-def test_programs_per_sm_follow_cudas_occupancy_rules():
-    """Registers in 256 a warp, shared memory plus 1 KiB a program, threads, at most 32 (an H200's
-    65536 registers, 228 KiB and 2048 threads an SM): the decode split kernels' sm_90 builds."""
-    assert programs_per_sm(108, 73728, 4) == 3  # contiguous, 128-key tiles: shared memory bounds it
-    assert programs_per_sm(178, 73728, 4) == 2  # paged, 128-key tiles: registers
-    assert programs_per_sm(122, 38912, 4) == 4  # paged, 64-key tiles
-    assert programs_per_sm(32, 0, 1) == 32 and programs_per_sm(255, 0, 8) == 1 and programs_per_sm(16, 0, 32) == 2
+    # a paged cache: the same rule (two programs an SM, whatever more its kernel's registers allow)
+    assert splits(1, 8, 65536, paged=True) == 32 and splits(8, 8, 8192, paged=True) == 4
 
 
 def test_untuned_calls_take_the_split_or_the_full_defaults(clean_dispatch, tmp_path):
