@@ -132,15 +132,12 @@ DEFAULTS: dict[str, dict[str, list[tuple[int, KernelConfig]]]] = {
     # attngen.kernels.decode.split_count), block_n the keys per tile. "decode" serves calls over a
     # contiguous cache whose keys are split (their (sequence, key/value head) pairs fill under 80% of
     # two programs per SM), "decode_paged" the same over a paged cache, "decode_full" those whose
-    # pairs fill the GPU alone. sm90 D <= 128: from benchmarks/decode_configs.py on an H200 (bf16, Hq
-    # 32, Hkv 8, 36 configs; benchmarks/RESULTS.md): two programs per SM need 128-key tiles to keep
-    # enough bytes in flight (B1 64k: 100.5 µs against 121 at 64x3 stages), while 512 programs want
-    # 64-key tiles and 2 stages (B64 2k: 133.8 µs contiguous, 137.6 paged, against 149 and 186 at 3
-    # stages). A paged split call takes 128-key tiles as a contiguous one: with its gathered rows'
-    # offsets in int32 (OFFSETS_32), 128-key tiles at two programs an SM beat 64-key tiles at four
-    # on an H100 (B1 64k 96.6 µs against 97.7-97.8 in a graph, 98.3-98.4 against 100.4-100.7 with the
-    # L2 clean; B8 8k 95.5-95.7 against 97.1-97.6, 97.4-97.5 against 99.6-99.9; docs/journal/decode.md,
-    # run 132). The other rows are untuned starting points
+    # pairs fill the GPU alone. sm90 D <= 128: from benchmarks/decode_configs.py (bf16, Hq 32, Hkv 8):
+    # two programs per SM need 128-key tiles to keep enough bytes in flight, while the unsplit calls
+    # (hundreds of programs) want 64-key tiles and 2 stages. A paged split call takes the contiguous
+    # call's 128-key tiles: with its gathered rows' offsets in int32 (OFFSETS_32) they beat 64-key
+    # tiles at twice the splits (figures in docs/decode.md and docs/journal/decode.md). The other rows
+    # are untuned starting points
     "decode": {
         "sm90": [
             (128, KernelConfig(256, 128, 4, 2)),
