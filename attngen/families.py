@@ -19,7 +19,7 @@ from . import reference
 from .checks import check_qkv, check_scale, check_topk
 from .config import KernelConfig, arch_of, default_config, default_entry
 from .kernels.backward import backward
-from .kernels.decode import decode_forward
+from .kernels.decode import decode_forward, decode_plan
 from .kernels.decode import default_table as decode_default_table
 from .kernels.forward import attention_forward, forward
 from .tools.timing import BWD_FACTOR, attention_flops
@@ -46,6 +46,10 @@ class KernelFamily:
     per_batch: bool = False  # registry entries per batch bucket (else one entry serves every batch)
     # (shape, device, paged, mask) -> the attngen.config.DEFAULTS key of a call's fallback config (None: the name)
     default_table: Callable | None = None
+    # (*inputs, mask, *, topk, config) -> a function of the inputs that runs them (-> [outputs]) with
+    # the host-side work that does not depend on the tensors done once, for the tuner to time; None:
+    # `run` is timed as it is
+    prepare: Callable | None = None
 
     def batch_bucket(self, batch: int) -> int:
         """The registry key's batch bucket of a call: 0 (any) unless the family tunes per batch."""
@@ -168,6 +172,13 @@ def _decode_run(q, k, v, mask, *, topk, config):
     return [decode_forward(q, k, v, mask=mask, config=config)[0]]
 
 
+def _decode_prepare(q, k, v, mask, *, topk, config):
+    """A full contiguous cache's plan, built once: building one takes longer on the host than a call's
+    kernels take on the GPU, so timing _decode_run would time the host."""
+    plan = decode_plan(q, k, v, mask=mask, config=config)
+    return lambda q, k, v: [plan.run(q, k, v, None, None)[0]]
+
+
 def _decode_reference(q, k, v, mask, *, topk):
     return [reference.decode(q, k, v, mask=mask)]
 
@@ -187,6 +198,7 @@ DECODE = KernelFamily(
     query_len=1,
     per_batch=True,
     default_table=decode_default_table,
+    prepare=_decode_prepare,
 )
 
 FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (FORWARD, BACKWARD, DECODE)}

@@ -10,8 +10,8 @@ last Sq positions; default for a contiguous cache: S). The keys of a sequence ar
 programs (the split rule below), whose partial outputs a second small kernel joins.
 
 Reading order: `check_decode` (the call's shape and layout), `split_count`, `decode_launches`,
-`DecodePlan` (everything but the tensors, once per call signature), `decode_forward` (an explicit
-config: the tests and the tuner).
+`DecodePlan` (everything but the tensors, once per call signature), `decode_plan` and
+`decode_forward` (an explicit config: the tuner and the tests).
 """
 
 from __future__ import annotations
@@ -372,11 +372,11 @@ class ShortQueryPlan:
         return self.plan.run(q, k, v, None, None)
 
 
-def decode_forward(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask=None, scale=None, return_lse=False,
-                   config: KernelConfig, splits: int | None = None, validate: bool = True, out=None, lse=None):
-    """Run the decode kernels with an explicit config (and, for tests, an explicit number of splits).
-    Returns (output, lse or None). `out` (like q) and, with return_lse, `lse` ((B, Hq, Sq) fp32) may
-    be given preallocated (tests poison them to catch unwritten elements)."""
+def decode_plan(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask=None, scale=None, return_lse=False,
+                config: KernelConfig, splits: int | None = None, validate: bool = True) -> DecodePlan:
+    """The checked DecodePlan of a call with an explicit config (decode_forward's first half): its
+    run(q, k_cache, v_cache, block_table, seq_lens) launches the kernels and nothing else, as the
+    tuner times them."""
     shape, cache = check_decode(q, k_cache, v_cache, seq_lens, block_table)
     check_flag("return_lse", return_lse)
     check_flag("validate", validate)
@@ -387,11 +387,20 @@ def decode_forward(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask
         raise ValueError(f"splits must be a positive int or None, got {splits!r}")
     if validate and seq_lens is not None:
         validate_values(seq_lens, block_table, shape, cache)
-    plan = DecodePlan(q, k_cache, v_cache, block_table, seq_lens, masks_.as_mask(mask), shape, cache,
+    return DecodePlan(q, k_cache, v_cache, block_table, seq_lens, masks_.as_mask(mask), shape, cache,
                       check_scale(scale, shape.head_dim), return_lse, config, splits)
+
+
+def decode_forward(q, k_cache, v_cache, seq_lens=None, *, block_table=None, mask=None, scale=None, return_lse=False,
+                   config: KernelConfig, splits: int | None = None, validate: bool = True, out=None, lse=None):
+    """Run the decode kernels with an explicit config (and, for tests, an explicit number of splits).
+    Returns (output, lse or None). `out` (like q) and, with return_lse, `lse` ((B, Hq, Sq) fp32) may
+    be given preallocated (tests poison them to catch unwritten elements)."""
+    plan = decode_plan(q, k_cache, v_cache, seq_lens, block_table=block_table, mask=mask, scale=scale,
+                       return_lse=return_lse, config=config, splits=splits, validate=validate)
     if out is None:
         return plan.run(q, k_cache, v_cache, block_table, seq_lens)
     if out.shape != q.shape or out.stride() != q.stride() or out.dtype != q.dtype or (
-            return_lse and (lse is None or lse.shape != (shape.batch, shape.heads, shape.q_len))):
+            return_lse and (lse is None or lse.shape != (plan.shape.batch, plan.shape.heads, plan.shape.q_len))):
         raise ValueError("out must be shaped, strided and typed like q, and lse (B, Hq, Sq) fp32 with return_lse")
     return plan.run(q, k_cache, v_cache, block_table, seq_lens, out, lse if return_lse else None)
