@@ -18,10 +18,10 @@ from . import masks as masks_
 from . import reference
 from .checks import check_qkv, check_scale, check_topk
 from .config import KernelConfig, arch_of, default_config, default_entry
-from .kernels.backward import backward
+from .kernels.backward import BackwardPlan, backward
 from .kernels.decode import decode_forward, decode_plan
 from .kernels.decode import default_table as decode_default_table
-from .kernels.forward import attention_forward, forward
+from .kernels.forward import Plan, attention_forward, forward
 from .tools.timing import BWD_FACTOR, attention_flops
 from .tuning import registry as registry_
 
@@ -77,6 +77,14 @@ def _forward_run(q, k, v, mask, *, topk, config):
     return [attention_forward(q, k, v, mask, topk=topk, config=config)[0]]
 
 
+def _forward_prepare(q, k, v, mask, *, topk, config):
+    """The dispatcher's prepared launch (kernels.forward.Plan) of the call, built once."""
+    shape = check_qkv(q, k, v, kernel=True)
+    plan = Plan(q, k, v, masks_.as_mask(mask), shape, check_scale(None, shape.head_dim), check_topk(topk, shape.kv_len),
+                False, config)
+    return lambda q, k, v: [plan.run(q, k, v)[0]]
+
+
 def _forward_reference(q, k, v, mask, *, topk):
     return [reference.attention(q, k, v, mask, topk=topk)]
 
@@ -111,6 +119,7 @@ FORWARD = KernelFamily(
     flops=attention_flops,
     fit=_forward_fit,
     default_table=_forward_table,
+    prepare=_forward_prepare,
 )
 
 
@@ -124,6 +133,21 @@ def _backward_run(q, k, v, dout, mask, *, topk, config, deterministic=True):
     out, lse, thr = forward(q, k, v, mask, shape, scale, topk, True, fwd_config)
     return list(backward(q, k, v, out, lse, thr, dout, None, mask, shape, scale, config, fwd_config,
                          deterministic=deterministic))
+
+
+def _backward_prepare(q, k, v, dout, mask, *, topk, config):
+    """_backward_run's forward and backward as prepared launches (Plan, BackwardPlan), built once."""
+    shape = check_qkv(q, k, v, kernel=True)
+    scale, topk, mask = check_scale(None, shape.head_dim), check_topk(topk, shape.kv_len), masks_.as_mask(mask)
+    fwd_config = default_config("fwd", arch_of(q.device), shape.head_dim)
+    fwd = Plan(q, k, v, mask, shape, scale, topk, True, fwd_config)
+    out, lse, thr = fwd.launch(q, k, v, 0)
+    bwd = BackwardPlan(q, k, v, out, lse, thr, dout, mask, shape, scale, config, fwd_config)
+
+    def run(q, k, v, dout):
+        out, lse, thr = fwd.launch(q, k, v, 0)
+        return list(bwd.run(q, k, v, out, lse, thr, dout, None))
+    return run
 
 
 def _backward_reference(q, k, v, dout, mask, *, topk):
@@ -162,6 +186,7 @@ BACKWARD = KernelFamily(
     flops=_backward_flops,
     fit=lambda config, q_len: (config, ""),
     fit_wide=_backward_fit_wide,
+    prepare=_backward_prepare,
 )
 
 

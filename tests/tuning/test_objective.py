@@ -58,11 +58,11 @@ def test_wrong_results_fail_and_never_win(objective):
     study = optuna.create_study(direction="maximize")
     good = objective.evaluate(study, 0, KernelConfig(16, 16, 4, 1))
     assert good[0] == OK and good[2]["tflops"] > 0 and good[2]["error"] < 3e-3
-    real = objective.run
-    objective.run = lambda *tensors, config: [out * 1.01 for out in real(*tensors, config=config)]  # 1% off
+    real = objective.runner
+    objective.runner = lambda config: lambda *tensors: [out * 1.01 for out in real(config)(*tensors)]  # 1% off
     status, reason, result = objective.evaluate(study, 1, KernelConfig(32, 16, 4, 1))
     assert status == WRONG and "against the float64 reference" in reason, reason
-    objective.run = lambda q, k, v, config: [torch.full_like(q, float("nan"))]
+    objective.runner = lambda config: lambda q, k, v: [torch.full_like(q, float("nan"))]
     assert objective.evaluate(study, 2, KernelConfig(32, 16, 4, 1))[0] == WRONG
 
 
@@ -81,29 +81,30 @@ def test_repeated_configs_are_not_measured_twice(objective):
     config = KernelConfig(16, 16, 4, 1)
     study.add_trial(optuna.trial.create_trial(params=config.as_dict(), distributions=dist, value=3.0,
                                               user_attrs={"status": OK, "tflops": 3.0, "ms": 1.0}))
-    objective.run = None  # would fail if called
+    objective.runner = None  # would fail if called
     status, _, result = objective.evaluate(study, 1, config)
     assert status == OK and result["tflops"] == 3.0 and result["repeat_of"] == 0
 
 
-def test_decode_trials_time_a_plan_built_once(tmp_path, monkeypatch):
-    """A decode call's plan takes longer to build on the host than its kernels run on the GPU, so a
-    trial builds it once and checks and times its launches: one DecodePlan for the gate and every
-    timed call (building one per call made an H100's tuner time 264 µs for a 97 µs call)."""
-    from attngen.kernels import decode as decode_
+@pytest.mark.parametrize("kernel, module, plan", [("fwd", "forward", "Plan"), ("bwd", "backward", "BackwardPlan"),
+                                                  ("decode", "decode", "DecodePlan")])
+def test_trials_time_a_plan_built_once(tmp_path, monkeypatch, kernel, module, plan):
+    """Building a call's plan takes longer on the host than a short call's kernels run on the GPU, so
+    a trial builds it once and checks and times its launches: one plan for the gate and every timed
+    call (building one per call made an H100's tuner read 264 µs for a 97 µs decode call)."""
+    import importlib
 
+    cls = getattr(importlib.import_module(f"attngen.kernels.{module}"), plan)
     monkeypatch.setattr(objective_, "compile_in_child", lambda problem, config, timeout: None)
     path = tmp_path / "space.yaml"
-    path.write_text(GOOD_SPACE.replace("kernel: fwd", "kernel: decode"))
+    path.write_text(GOOD_SPACE.replace("kernel: fwd", f"kernel: {kernel}"))
     problem = Problem(mask="sliding_window(window=24)", dtype="fp16", batch=2, heads=4, kv_heads=2, seq_len=40,
-                      head_dim=32, kernel="decode")
+                      head_dim=32, kernel=kernel)
     objective = Objective(problem, load_space(path), "interpreter", DEVICE, 60)
-    built = []
-    real_init = decode_.DecodePlan.__init__
-    monkeypatch.setattr(decode_.DecodePlan, "__init__", lambda self, *a, **kw: built.append(1) or real_init(self, *a, **kw))
-    calls = []
-    real_run = decode_.DecodePlan.run
-    monkeypatch.setattr(decode_.DecodePlan, "run", lambda self, *a, **kw: calls.append(1) or real_run(self, *a, **kw))
+    built, calls = [], []
+    real_init, real_run = cls.__init__, cls.run
+    monkeypatch.setattr(cls, "__init__", lambda self, *a, **kw: built.append(1) or real_init(self, *a, **kw))
+    monkeypatch.setattr(cls, "run", lambda self, *a, **kw: calls.append(1) or real_run(self, *a, **kw))
     status, reason, result = objective.evaluate(optuna.create_study(direction="maximize"), 0, KernelConfig(16, 16, 4, 1))
     assert status == OK, reason
     assert result["error"] < 3e-3
