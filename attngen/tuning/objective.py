@@ -8,8 +8,8 @@ reference, then timed.
 3. In this process, one trial at a time: it runs, its result is compared with the float64
    reference (a wrong result is a failed trial that can never win), and it is timed with CUDA-event
    medians on inputs rotated so that they do not sit in the L2. What runs is the family's prepared
-   run where it has one (decode: the call's plan built once, so the host's work stays out of the
-   timing), else its run. The objective is TFLOP/s.
+   run where it has one (every built-in family: the call's plan built once, as the dispatcher runs
+   it, so that building it stays out of the timing), else its run. The objective is TFLOP/s.
 """
 
 from __future__ import annotations
