@@ -146,14 +146,13 @@ class Objective:
         self.ref = family.reference(*_gate(first, family.inputs, problem.group), self.mask, topk=topk)
         self.flops = family.flops(self.mask, problem.batch, problem.heads, problem.q_len, problem.seq_len,
                                   problem.head_dim, self.device)
-        self.run = lambda *tensors, config: family.run(*tensors, self.mask, topk=topk, config=config)
 
     def runner(self, config: KernelConfig):
         """What a trial checks and times: the family's prepared run (its host-side work done once), else run."""
-        family = self.problem.family
+        family, topk = self.problem.family, self.problem.topk or None
         if family.prepare is None:
-            return lambda *tensors: self.run(*tensors, config=config)
-        return family.prepare(*self.sets[0], self.mask, topk=self.problem.topk or None, config=config)
+            return lambda *tensors: family.run(*tensors, self.mask, topk=topk, config=config)
+        return family.prepare(*self.sets[0], self.mask, topk=topk, config=config)
 
     def __call__(self, trial) -> float:
         config = KernelConfig(**{name: trial.suggest_categorical(name, values) for name, values in self.values.items()})
