@@ -10,7 +10,10 @@ tensor-descriptor loads (dK/dV runs block_m x block_n tiles, dQ block_n x block_
 attngen.kernels.backward.tiles). For each mask and config: the forward
 at its fallback config and the backward at the config, checked against float64 autograd on batch
 0, heads 0-1, then timed (triton.testing.do_bench median), with the forward alone timed once per
-mask so that the backward's share is known. A config that fails to compile or run says why.
+mask so that the backward's share is known. Both are timed as the tuner times them: launches
+prepared once (attngen.families' `prepare`), so host work does not count where the kernels are
+short (with --nondeterministic the backward's launches are built per call, host work included). A
+config that fails to compile or run says why.
 """
 
 from __future__ import annotations
@@ -63,13 +66,17 @@ def main() -> int:
         refs = reference_grads(mask_name, q, k, v, dout)[1:]  # dQ, dK, dV of batch 0, heads 0-1
         flops = FORWARD.flops(mask, b, h, s, s, d, "cuda") * (1 + BWD_FACTOR)
         fwd_config = FORWARD.default("sm90", d)[0]
-        fwd_ms = triton.testing.do_bench(lambda: FORWARD.run(q, k, v, mask, topk=None, config=fwd_config),
-                                         warmup=50, rep=200, return_mode="median")
+        fwd = FORWARD.prepare(q, k, v, mask, topk=None, config=fwd_config)
+        fwd_ms = triton.testing.do_bench(lambda: fwd(q, k, v), warmup=50, rep=200, return_mode="median")
         for text in args.configs.split(","):
             config = parse_config(text)
             try:
-                run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=None, config=config,  # noqa: E731
-                                           deterministic=not args.nondeterministic)
+                if args.nondeterministic:  # no prepared form: the launches are built per call
+                    run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=None, config=config,  # noqa: E731
+                                               deterministic=False)
+                else:
+                    prepared = BACKWARD.prepare(q, k, v, dout, mask, topk=None, config=config)
+                    run = lambda: prepared(q, k, v, dout)  # noqa: E731
                 grads = run()
                 error = max(float((x[:1, :2].double() - r).norm() / r.norm()) for x, r in zip(grads, refs))
                 ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
