@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -12,6 +12,7 @@ from ..expr import Expr, ExprError
 from ..paths import data_dir
 
 TUNABLES = tuple(f.name for f in fields(KernelConfig))
+REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the ones without a default
 CONSTRAINT_NAMES = set(TUNABLES) | {"head_dim", "block_d", "elem_bytes", "seq_len", "topk_pad"}
 
 
@@ -31,6 +32,7 @@ class SearchSpace:
     kernel: str  # the kernel family it is for (attngen.families)
     values: dict  # arch -> {tunable: [values]}
     constraints: tuple[Constraint, ...]
+    start: dict = field(default_factory=dict)  # arch -> (KernelConfig, ...): tried first by every new study
 
     def for_arch(self, arch: str) -> dict[str, list]:
         if arch not in self.values:
@@ -60,7 +62,7 @@ def load_space(path) -> SearchSpace:
         raise SpaceError(f"{path}: cannot read search space: {e}") from None
     if not isinstance(data, dict):
         raise SpaceError(f"{path}: a search space is a mapping with kernel, arch, constraints")
-    unknown = set(data) - {"kernel", "arch", "constraints"}
+    unknown = set(data) - {"kernel", "arch", "constraints", "start"}
     if unknown:
         raise SpaceError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
     for key in ("kernel", "arch"):
@@ -90,7 +92,35 @@ def load_space(path) -> SearchSpace:
             constraints.append(Constraint(Expr(str(item["expr"]), CONSTRAINT_NAMES, {}), str(item["why"])))
         except ExprError as e:
             raise SpaceError(f"{path}: constraint {i}: {e}") from None
-    return SearchSpace(path, str(data["kernel"]), values, tuple(constraints))
+    return SearchSpace(path, str(data["kernel"]), values, tuple(constraints), _start_configs(path, data, values))
+
+
+def _start_configs(path: Path, data: dict, values: dict) -> dict:
+    """The `start` key: per architecture, configs (mappings of tunables; use_tma and
+    warp_specialize may be left out: false) that every new study tries first. Each must lie inside
+    its architecture's values."""
+    start = data.get("start") or {}
+    if not isinstance(start, dict):
+        raise SpaceError(f"{path}: start must map architecture names to lists of configs")
+    out = {}
+    for arch, items in start.items():
+        if arch not in values:
+            raise SpaceError(f"{path}: start names architecture {arch!r}, which arch does not list")
+        if not isinstance(items, list):
+            raise SpaceError(f"{path}: start {arch!r} must be a list of configs")
+        configs = []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict) or not set(REQUIRED) <= set(item) <= set(TUNABLES):
+                raise SpaceError(f"{path}: start {arch!r} config {i} must map {', '.join(REQUIRED)} (and "
+                                 f"optionally {', '.join(n for n in TUNABLES if n not in REQUIRED)}), got {item!r}")
+            config = KernelConfig(**item)
+            outside = [n for n in TUNABLES if getattr(config, n) not in values[arch][n]]
+            if outside:
+                raise SpaceError(f"{path}: start {arch!r} config {i} has {', '.join(outside)} outside "
+                                 f"the values arch {arch!r} lists")
+            configs.append(config)
+        out[arch] = tuple(configs)
+    return out
 
 
 def find_space(name_or_path: str, kernel: str) -> SearchSpace:

@@ -157,7 +157,7 @@ def run_study(problem: Problem, settings: Settings, progress=None):
         study.set_user_attr("flops", objective.flops)
         study.set_user_attr("problem", asdict(problem))
     if not study.get_trials(deepcopy=False):
-        for config in starting_points(problem, settings, values):
+        for config in starting_points(problem, settings, space):
             study.enqueue_trial(config.as_dict(), skip_if_exists=True)
     callbacks = [optuna.study.MaxTrialsCallback(target, states=(optuna.trial.TrialState.COMPLETE,))]
     if progress is not None:
@@ -193,13 +193,16 @@ def start_fresh(problems: list[Problem], settings: Settings) -> None:
               f"{kept}", file=sys.stderr)
 
 
-def starting_points(problem: Problem, settings: Settings, values: dict) -> list[KernelConfig]:
+def starting_points(problem: Problem, settings: Settings, space) -> list[KernelConfig]:
     """The first configs a new study tries: what the registries already hold for this problem
-    (exact or nearest bucket), then the architecture's fallback; a search never ends worse than them."""
+    (exact or nearest bucket), the architecture's fallback, then the space's `start` configs; a
+    search never ends worse than them."""
+    values = space.for_arch(settings.arch)
     found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
                                     settings.gpu).lookup(problem.entry_key())
     configs = [found[0].kernel_config()] if found else []
     configs.append(problem.family.default(settings.arch, problem.head_dim)[0])
+    configs.extend(space.start.get(settings.arch, ()))
     inside = [c for c in configs if all(getattr(c, n) in values[n] for n in values)]
     return list(dict.fromkeys(inside))
 

@@ -37,6 +37,18 @@ def test_topk_space_rules():
         "the fp32 accumulator would take over 128 registers a thread and spill"]
 
 
+def test_start_configs(tmp_path):
+    space = find_space("backward", "bwd")
+    assert space.start["sm90"] == (KernelConfig(64, 128, 8, 3),)
+    for arch, configs in space.start.items():  # every shipped start config is one its space may try
+        assert all(space.violations(c, head_dim=128, elem_bytes=2, seq_len=4096) == [] for c in configs), arch
+    path = tmp_path / "space.yaml"
+    path.write_text(GOOD_SPACE + "start:\n  interpreter:\n    - {block_m: 32, block_n: 16, num_warps: 4, num_stages: 1}\n")
+    assert load_space(path).start == {"interpreter": (KernelConfig(32, 16, 4, 1),)}
+    path.write_text(GOOD_SPACE)
+    assert load_space(path).start == {}
+
+
 def test_a_space_is_for_one_kernel_family(tmp_path):
     path = tmp_path / "space.yaml"
     path.write_text(GOOD_SPACE)
@@ -61,6 +73,15 @@ def test_a_space_is_for_one_kernel_family(tmp_path):
     (lambda s: s.replace("block_m * block_d <= 1024", "block_m * nonsense"), "unknown name 'nonsense'"),
     (lambda s: s.replace("why: too big for this test", "because: x"), "exactly `expr` and `why`"),
     (lambda s: "arch: [unclosed", "cannot read search space"),
+    (lambda s: s + "start: [1]\n", "start must map architecture names"),
+    (lambda s: s + "start:\n  sm90: []\n", "start names architecture 'sm90', which arch does not list"),
+    (lambda s: s + "start:\n  interpreter: {block_m: 16}\n", "start 'interpreter' must be a list"),
+    (lambda s: s + "start:\n  interpreter:\n    - {block_m: 16}\n",
+     "config 0 must map block_m, block_n, num_warps, num_stages (and optionally use_tma, warp_specialize)"),
+    (lambda s: s + "start:\n  interpreter:\n    - {block_m: 64, block_n: 16, num_warps: 8, num_stages: 1, x: 1}\n",
+     "config 0 must map block_m"),
+    (lambda s: s + "start:\n  interpreter:\n    - {block_m: 64, block_n: 16, num_warps: 8, num_stages: 1}\n",
+     "config 0 has block_m, num_warps outside the values arch 'interpreter' lists"),
 ])
 def test_bad_space_files_are_rejected(tmp_path, edit, message):
     path = tmp_path / "space.yaml"

@@ -285,17 +285,21 @@ def test_gp_sampler_needs_scipy():
 
 def test_new_studies_start_from_the_registry_and_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNGEN_USER_REGISTRY", str(tmp_path / "user"))
-    values = find_space("forward", "fwd").for_arch("interpreter")
+    space = find_space("forward", "fwd")
     settings = tune.Settings(gpu="interpreter", device_name="x", device="cpu", arch="interpreter", trials=1,
                              timeout=None, sampler="tpe", seed=0, storage=None, jobs=1, compile_timeout=60,
                              out=tmp_path / "out")
     fallback = default_config("fwd", "interpreter", PROBLEM.head_dim)
-    assert tune.starting_points(PROBLEM, settings, values) == [fallback]
+    assert tune.starting_points(PROBLEM, settings, space) == [fallback]
     tuned = KernelConfig(16, 32, 4, 2, use_tma=True)
     entry = registry.Entry(key=PROBLEM.entry_key(), config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None,
                            trials=3, triton="3.6.0", torch="2.13.0", date="2026-11-29")
     registry.write_entries(tmp_path / "out" / "interpreter.yaml", [entry], "interpreter", "x")
-    assert tune.starting_points(PROBLEM, settings, values) == [tuned, fallback]
+    assert tune.starting_points(PROBLEM, settings, space) == [tuned, fallback]
+    # then the space's own starting configs, in order, without repeats and only inside its values
+    extra, outside = KernelConfig(16, 16, 4, 1), KernelConfig(16, 16, 8, 1)
+    space = dataclasses.replace(space, start={"interpreter": (fallback, extra, outside)})
+    assert tune.starting_points(PROBLEM, settings, space) == [tuned, fallback, extra]
     assert tune.space_for(PROBLEM, settings).path.name == "forward.yaml"
     topk = dataclasses.replace(PROBLEM, topk=8)
     assert tune.space_for(topk, settings).path.name == "forward_topk.yaml"
