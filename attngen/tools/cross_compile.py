@@ -10,6 +10,8 @@ in a process of its own: the interpreter, once on, cannot compile.
     python -m attngen.tools.cross_compile decode BLOCK_M BLOCK_N WARPS STAGES MASK PAGED(0/1) GROUP SQ
     python -m attngen.tools.cross_compile varlen MASK
 
+(every form but varlen may start with `--loops`)
+
 prints `ok <kernel name> <shared memory bytes> <registers> <spill bytes> <SASS instructions>` for
 every launch of a top-k call (its threshold kernels), of a forward call at that `fwd` config, of a backward call at that `bwd` config (MASK:
 a spec, `none` for dense), or of a decode call split over the keys at that `decode` config (its
@@ -19,13 +21,16 @@ D=128, bf16). `varlen` compiles the forward,
 dK/dV and dQ launches of a varlen_attention call with MASK (a spec) and of the same packing as
 `document & MASK` on the packed view, at the sm_90 default configs, and prints
 `<varlen|document> <kernel name> <registers> <spill bytes> <SASS instructions>` for each (ptxas -v
-and cuobjdump from Triton's CUDA tools).
+and cuobjdump from Triton's CUDA tools). With `--loops`, each `ok` line is followed by one
+`loop <kernel name> <index> <instructions> <OPCODE>=<count> ...` line per loop of its SASS (a branch
+back to an earlier instruction), in address order: the instructions an iteration issues per thread.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
@@ -51,10 +56,9 @@ def compile_launch(launch, arch: int = 90, **overrides):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def usage(compiled) -> tuple[int, int, int]:
-    """(registers, spill bytes stored and loaded, SASS instructions) of a kernel compile_launch
-    compiled, from ptxas -v and cuobjdump -sass of Triton's CUDA tools."""
-    import re
+def assemble(compiled) -> tuple[str, str]:
+    """(ptxas -v's report, cuobjdump -sass's listing) of a kernel compile_launch compiled, from
+    Triton's CUDA tools."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -69,10 +73,44 @@ def usage(compiled) -> tuple[int, int, int]:
                                 capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
+    return report, sass
+
+
+def usage(compiled) -> tuple[int, int, int]:
+    """(registers, spill bytes stored and loaded, SASS instructions) of a kernel compile_launch
+    compiled."""
+    import re
+
+    report, sass = assemble(compiled)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()
-    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.MULTILINE))
-    return registers, int(stores) + int(loads), instructions
+    return registers, int(stores) + int(loads), len(_instructions(sass))
+
+
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every instruction of a cuobjdump -sass listing."""
+    import re
+
+    return [(int(a, 16), text.strip()) for a, text in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass,
+                                                                 flags=re.MULTILINE)]
+
+
+def loops(sass: str) -> list[tuple[int, Counter]]:
+    """The loops of a cuobjdump -sass listing, in address order: for each branch back to an earlier
+    instruction, the instructions from its target to it, as (count, opcodes without modifiers or
+    predicate counted). How a change's cost per iteration shows before any GPU runs it."""
+    import re
+
+    listing = _instructions(sass)
+    at = {address: i for i, (address, _) in enumerate(listing)}
+    found = []
+    for i, (address, text) in enumerate(listing):
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address and int(branch.group(1), 16) in at:
+            body = listing[at[int(branch.group(1), 16)]:i + 1]
+            ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+            found.append((len(body), ops))
+    return found
 
 
 def topk_launches(block_m: int, block_n: int, warps: int, stages: int, tma: bool, topk: int, kv_len: int):
@@ -183,6 +221,9 @@ def varlen_launches(mask: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    show_loops = bool(argv) and argv[0] == "--loops"
+    if show_loops:
+        argv = argv[1:]
     if argv and argv[0] == "topk" and len(argv) == 8:
         bm, bn, warps, stages, tma, topk, kv_len = (int(x) for x in argv[1:])
         launches = topk_launches(bm, bn, warps, stages, bool(tma), topk, kv_len)
@@ -210,6 +251,10 @@ def main(argv: list[str]) -> int:
     for launch, options in launches:
         compiled = compile_launch(launch, **options)
         print("ok", compiled.metadata.name, compiled.metadata.shared, *usage(compiled), flush=True)
+        if show_loops:
+            for i, (count, ops) in enumerate(loops(assemble(compiled)[1])):
+                print("loop", compiled.metadata.name, i, count, " ".join(f"{op}={n}" for op, n in ops.most_common()),
+                      flush=True)
     return 0
 
 
