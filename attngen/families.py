@@ -162,6 +162,15 @@ def _backward_flops(mask, batch, heads, q_len, kv_len, head_dim, device) -> int:
     return int(attention_flops(mask, batch, heads, q_len, kv_len, head_dim, device) * (1 + BWD_FACTOR))
 
 
+def _backward_table(shape, device, paged: bool, mask) -> str:
+    """The DEFAULTS key of a backward call's fallback: "bwd_dense" for dense and causal calls (no
+    mask, or `causal` alone without score modifiers), else "bwd"."""
+    if mask is None or (not mask.mods and (mask.tree is None or (isinstance(mask.tree, masks_.Term)
+                                                                 and mask.tree.template.name == "causal"))):
+        return "bwd_dense"
+    return "bwd"
+
+
 def _backward_fit_wide(config: KernelConfig, why: str) -> tuple[KernelConfig, str]:
     """Under dropout the dK/dV programs need registers for the random bits, and with the atomic dQ
     (deterministic=False) for a dQ tile: on 4 warps they spill them (sm_90, D 128, 64 x 64 tiles:
@@ -186,6 +195,7 @@ BACKWARD = KernelFamily(
     flops=_backward_flops,
     fit=lambda config, q_len: (config, ""),
     fit_wide=_backward_fit_wide,
+    default_table=_backward_table,
     prepare=_backward_prepare,
 )
 

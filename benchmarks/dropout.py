@@ -5,9 +5,9 @@ backward configs, with each kernel's GPU time: how dropout generators and tiles 
                                  [--fwd-configs 128x64x4x2t,128x64x8x2t] [--no-rules] [--out DIR]
 
 bf16, fresh torch.randn inputs and upstream gradient. A backward config (BLOCK_M x BLOCK_N x warps
-x stages, a trailing `t` for tensor-descriptor loads) is set as the sm90 fallback of
-attngen.config.DEFAULTS, and so is each forward config of --fwd-configs (every pair of the two
-lists runs; without --fwd-configs the forward keeps its fallback); no registry is read, so the
+x stages, a trailing `t` for tensor-descriptor loads) is set as the sm90 fallback of every
+`bwd` table of attngen.config.DEFAULTS, and so is each forward config of --fwd-configs (every pair
+of the two lists runs; without --fwd-configs the forward keeps its fallback); no registry is read, so the
 fallbacks run, and the dispatcher's caches are cleared for each pair. `--no-rules` also turns off
 the dispatcher's dropout rule (attngen.families.BACKWARD.fit_wide), so p=0 and p run at the very
 same tiles. Each step is timed with triton.testing.do_bench medians, then profiled
@@ -54,14 +54,17 @@ def main() -> int:
                for _ in range(3))
     dout = torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16)
     rows = []
-    bwd_row = next(i for i, (max_d, _) in enumerate(DEFAULTS["bwd"]["sm90"]) if d <= max_d)
+    bwd_tables = [name for name in DEFAULTS if name.startswith("bwd")]  # "bwd_dense" serves this dense call
     fwd_row = next(i for i, (max_d, _) in enumerate(DEFAULTS["fwd"]["sm90"]) if d <= max_d)
     fwd_fallback = DEFAULTS["fwd"]["sm90"][fwd_row][1]
     fwd_texts = args.fwd_configs.split(",") if args.fwd_configs else [None]
     for fwd_text, text in ((f, b_) for f in fwd_texts for b_ in args.bwd_configs.split(",")):
         fwd_config = parse_config(fwd_text) if fwd_text else fwd_fallback
         DEFAULTS["fwd"]["sm90"][fwd_row] = (DEFAULTS["fwd"]["sm90"][fwd_row][0], fwd_config)
-        DEFAULTS["bwd"]["sm90"][bwd_row] = (DEFAULTS["bwd"]["sm90"][bwd_row][0], parse_config(text))
+        for table in bwd_tables:
+            table_rows = DEFAULTS[table]["sm90"] = list(DEFAULTS[table]["sm90"])
+            row = next(i for i, (max_d, _) in enumerate(table_rows) if d <= max_d)
+            table_rows[row] = (table_rows[row][0], parse_config(text))
         attngen.dispatch.use_registry(None)  # clears the dispatcher's choices and the prepared plans
         for prob in (0.0, args.p):
             def step(prob=prob):

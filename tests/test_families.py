@@ -59,6 +59,24 @@ def test_the_forward_fallback_of_packed_sequences():
         assert FORWARD.default(arch, head_dim, "fwd_varlen")[0] == FORWARD.default(arch, head_dim, "fwd")[0]
 
 
+def test_the_backward_fallback_of_dense_and_causal_calls():
+    """Dense and causal calls (causal alone, either alignment, no score modifier) take the
+    bwd_dense row: 128-key blocks on 8 warps on sm90 for D 65-128, where nearly every block is
+    full; other masks, modifiers, head dims and architectures the bwd rows. Top-k calls run tiles
+    of their own whatever the row."""
+    from attngen.families import BACKWARD
+    table = lambda mask: BACKWARD.table(None, torch.device("cpu"), False, mask)  # noqa: E731
+    for mask in (None, as_mask("causal"), as_mask("causal(align='bottom_right')")):
+        assert table(mask) == "bwd_dense"
+    for mask in (as_mask("causal & softcap(cap=30.0)"), as_mask("sliding_window(window=512)"),
+                 attngen.mask("document", doc_ids=torch.zeros(12, dtype=torch.int32)) & attngen.mask("causal")):
+        assert table(mask) == "bwd"
+    assert BACKWARD.default("sm90", 128, "bwd_dense")[0] == KernelConfig(64, 128, 8, 3)
+    assert BACKWARD.default("sm90", 128, "bwd")[0] == KernelConfig(64, 64, 4, 2)
+    for arch, head_dim in (("sm90", 64), ("sm90", 256), ("sm80", 128), ("interpreter", 128)):
+        assert BACKWARD.default(arch, head_dim, "bwd_dense")[0] == BACKWARD.default(arch, head_dim, "bwd")[0]
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_run_agrees_with_reference(name):
     """What the tuner's correctness gate compares: the family's run at its fallback config, against
