@@ -6,7 +6,7 @@ here, DEFAULTS, is what the dispatcher uses when nothing was tuned for a call.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,19 @@ class KernelConfig:
         if kernel == "decode":
             return 2 * self.block_n * block_d * elem_bytes * stages + 128 * block_d * elem_bytes
         return 2 * self.block_n * block_d * elem_bytes * stages + self.block_m * block_d * elem_bytes
+
+    def fit_shared_memory(self, head_dim: int, elem_bytes: int, smem_limit: int | None,
+                          kernel: str = "fwd") -> tuple[KernelConfig, str]:
+        """This config with as many fewer pipeline stages as its estimated shared memory needs to fit
+        `smem_limit` bytes (a row chosen for 16-bit inputs, run by an fp32 call), and a note saying
+        so; unchanged where it fits, at one stage, or without a limit (the interpreter)."""
+        config = self
+        while (smem_limit is not None and config.num_stages > 1
+               and config.shared_memory(head_dim, elem_bytes, kernel) > smem_limit):
+            config = replace(config, num_stages=config.num_stages - 1)
+        if config == self:
+            return self, ""
+        return config, f"num_stages {config.num_stages} to fit the device's {smem_limit} bytes of shared memory"
 
     def problems(self, head_dim: int, elem_bytes: int, smem_limit: int | None = None, kernel: str = "fwd") -> list[str]:
         """Why this config cannot run (empty when it can); checked before anything is compiled."""
@@ -192,6 +205,19 @@ def arch_of(device) -> str:
     if major >= 8:
         return "sm80"
     return "generic"
+
+
+def shared_memory_limit(device) -> int | None:
+    """The most shared memory a program may take on a CUDA device, in bytes (None for CPU tensors)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    import triton
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def default_entry(kernel: str, arch: str, head_dim: int) -> tuple[KernelConfig, str]:

@@ -5,7 +5,10 @@ For a kernel family (attngen.families) and a call, in order:
    chosen by `use_registry` / ATTNGEN_REGISTRY), then the one shipped with attngen; the exact
    entry, else the nearest sequence bucket of the same variant, dtype, head dim and GQA group;
 2. the family's fallback row for the architecture (attngen/config.py, DEFAULTS);
-then the family fits the config to the call (the forward family cuts BLOCK_M for a short query).
+then the family fits the config to the call (the forward family cuts BLOCK_M for a short query;
+the backward takes wider tiles under dropout or the atomic dQ), and a config whose estimated shared
+memory exceeds the device's at the call's element size (an fp32 call at a row chosen for 16-bit
+inputs) runs with fewer pipeline stages.
 Choices are cached per (family, device, dtype, head dim, sequence bucket, group, mask, query rows,
 top-k bucket), so a new sequence length inside a bucket reuses the same compiled kernel.
 """
@@ -22,7 +25,7 @@ import torch
 from . import masks as masks_
 from .caches import BoundedCache
 from .checks import check_qkv, check_topk, topk_pad
-from .config import KernelConfig, arch_of
+from .config import KernelConfig, arch_of, shared_memory_limit
 from .dtypes import NAMES as DTYPE_NAMES
 from .families import BACKWARD, FORWARD, KernelFamily, family, query_rows
 from .kernels.decode import takes_short_query
@@ -44,6 +47,7 @@ _override: Path | None = None
 _registries = BoundedCache("dispatch.registries", 16)  # GPU key -> Registry
 _choices = BoundedCache("dispatch.choices", 4096)  # see choose_config's cache_key
 _gpu_keys: dict[int, str] = {}  # device index -> GPU key (one entry per GPU of the machine)
+_smem_limits: dict[torch.device, int | None] = {}  # device -> its shared memory limit (smem_limit)
 _listeners: list = []  # functions called when the registry changes (the plan cache of attngen.api)
 
 
@@ -96,6 +100,13 @@ def gpu_of(device: torch.device) -> str:
     return key
 
 
+def smem_limit(device: torch.device) -> int | None:
+    """config.shared_memory_limit of a device, asked once."""
+    if device not in _smem_limits:
+        _smem_limits[device] = shared_memory_limit(device)
+    return _smem_limits[device]
+
+
 def registry_for(gpu: str) -> registry_.Registry:
     reg = _registries.get(gpu)
     if reg is None:
@@ -143,6 +154,9 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
         config, note = family.fit_wide(config, wide)
         if note:
             source += f"; {note}"
+    config, note = config.fit_shared_memory(shape.head_dim, q.element_size(), smem_limit(q.device), family.name)
+    if note:
+        source += f"; {note}"
     choice = _choices.put(cache_key, Choice(config, source, variant, family.name), generation)
     log.debug("attngen: %s %s %s d%d s%d (bucket %d) group %d -> %s (%s)", family.name, variant, key.dtype,
               shape.head_dim, shape.kv_len, bucket, group, config, source)

@@ -32,6 +32,23 @@ def test_problems_are_found_before_compiling():
     assert [block_d_for(d) for d in (1, 16, 17, 80, 256)] == [16, 16, 32, 128, 256]
 
 
+def test_a_config_takes_fewer_stages_to_fit_shared_memory():
+    """An fp32 call at a row chosen for 16-bit inputs: the sm90 dense backward row at fp32 D 128
+    (Triton's own figure for the one-launch kernel at 3 stages: 296 KB, where an sm_90 program may
+    take 227 KB) runs with as many fewer stages as the estimate needs; 16-bit inputs, a config that
+    fits and no limit keep it."""
+    limit = 232448  # an H100's or H200's max_shared_mem
+    dense = default_config("bwd_dense", "sm90", 128)
+    assert dense.shared_memory(128, 4, "bwd") > limit >= dense.shared_memory(128, 2, "bwd")
+    fitted, note = dense.fit_shared_memory(128, 4, limit, "bwd")
+    assert fitted == KernelConfig(64, 128, 8, 1) and fitted.shared_memory(128, 4, "bwd") <= limit
+    assert note == f"num_stages 1 to fit the device's {limit} bytes of shared memory"
+    assert dense.fit_shared_memory(128, 2, limit, "bwd") == (dense, "")
+    assert dense.fit_shared_memory(128, 4, None, "bwd") == (dense, "")
+    one = KernelConfig(128, 128, 8, 1)  # stages cannot go below one: left to fail where it does not fit
+    assert one.fit_shared_memory(256, 4, 1024, "bwd") == (one, "")
+
+
 def test_defaults_by_family_then_arch():
     assert set(DEFAULTS) >= {"fwd", "bwd"}
     assert default_config("fwd", "sm90", 128) == KernelConfig(128, 64, 4, 2, use_tma=True)

@@ -181,6 +181,22 @@ def test_plans_are_cached_per_call_signature(tmp_path, clean_dispatch):
     assert len(api._plans) == 0
 
 
+def test_a_call_whose_config_needs_more_shared_memory_than_the_device_has_runs_fewer_stages(
+        tmp_path, clean_dispatch, monkeypatch):
+    """The dispatcher fits the chosen config to the device's shared memory at the call's element
+    size (under the interpreter there is no limit: a limit is set here), and says so."""
+    config = KernelConfig(32, 64, 4, 3)
+    write(tmp_path, entry(256, config, kernel="bwd"))
+    dispatch.use_registry(tmp_path)
+    q = torch.randn(1, 2, 200, 32, device=DEVICE).half()
+    shape = attngen.checks.check_qkv(q, q, q, kernel=True)
+    limit = config.shared_memory(32, 2, "bwd") - 1
+    monkeypatch.setitem(dispatch._smem_limits, q.device, limit)
+    choice = dispatch.choose_config(FAMILIES["bwd"], q, shape, None)
+    assert choice.config == KernelConfig(32, 64, 4, 2) and choice.config.shared_memory(32, 2, "bwd") <= limit
+    assert choice.source.endswith(f"; num_stages 2 to fit the device's {limit} bytes of shared memory")
+
+
 def test_dropout_calls_take_backward_tiles_that_do_not_spill(tmp_path, clean_dispatch):
     """Dropout's random bits need registers in the dK/dV programs: a backward config on 4 warps runs on
     8 with 128-key blocks and 3 stages under dropout (it spills on sm_90 otherwise), and says so;

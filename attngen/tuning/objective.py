@@ -27,7 +27,7 @@ import torch
 
 from .. import masks as masks_
 from ..checks import check_topk, interpreter_on, topk_pad
-from ..config import KernelConfig
+from ..config import KernelConfig, shared_memory_limit
 from ..dtypes import BYTES as DTYPE_BYTES
 from ..dtypes import DTYPES
 from ..families import FAMILIES
@@ -250,16 +250,6 @@ def _measured(study, config: KernelConfig, number: int):
         if t.number != number and t.params == params and "status" in t.user_attrs:
             return t
     return None
-
-
-def shared_memory_limit(device) -> int | None:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    import triton
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 if __name__ == "__main__":
