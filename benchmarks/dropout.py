@@ -28,10 +28,17 @@ import torch
 import triton
 
 import attngen
-from attngen.config import DEFAULTS
+from attngen.config import DEFAULTS, default_config
 from attngen.families import BACKWARD
 from attngen.tools.timing import kernel_times
 from bwd_configs import parse_config
+
+
+def set_fallback(table: str, head_dim: int, config) -> None:
+    """Make `config` the sm90 row of DEFAULTS[table] that serves `head_dim`."""
+    rows = DEFAULTS[table]["sm90"]
+    index = next(i for i, (max_d, _) in enumerate(rows) if head_dim <= max_d)
+    rows[index] = (rows[index][0], config)
 
 
 def main() -> int:
@@ -55,16 +62,12 @@ def main() -> int:
     dout = torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16)
     rows = []
     bwd_tables = [name for name in DEFAULTS if name.startswith("bwd")]  # "bwd_dense" serves this dense call
-    fwd_row = next(i for i, (max_d, _) in enumerate(DEFAULTS["fwd"]["sm90"]) if d <= max_d)
-    fwd_fallback = DEFAULTS["fwd"]["sm90"][fwd_row][1]
+    fwd_fallback = default_config("fwd", "sm90", d)
     fwd_texts = args.fwd_configs.split(",") if args.fwd_configs else [None]
     for fwd_text, text in ((f, b_) for f in fwd_texts for b_ in args.bwd_configs.split(",")):
-        fwd_config = parse_config(fwd_text) if fwd_text else fwd_fallback
-        DEFAULTS["fwd"]["sm90"][fwd_row] = (DEFAULTS["fwd"]["sm90"][fwd_row][0], fwd_config)
+        set_fallback("fwd", d, parse_config(fwd_text) if fwd_text else fwd_fallback)
         for table in bwd_tables:
-            table_rows = DEFAULTS[table]["sm90"] = list(DEFAULTS[table]["sm90"])
-            row = next(i for i, (max_d, _) in enumerate(table_rows) if d <= max_d)
-            table_rows[row] = (table_rows[row][0], parse_config(text))
+            set_fallback(table, d, parse_config(text))
         attngen.dispatch.use_registry(None)  # clears the dispatcher's choices and the prepared plans
         for prob in (0.0, args.p):
             def step(prob=prob):
