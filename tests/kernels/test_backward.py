@@ -335,6 +335,28 @@ def test_dropout_bits_are_uncorrelated_across_keys_rows_heads_and_seeds():
         assert abs(agree - 0.5) < 5 * (0.25 / a.numel()) ** 0.5, (name, agree)
 
 
+def test_dropout_bits_at_p_one_tenth_are_uncorrelated():
+    """At p = 0.1, over 2 heads of 768 x 768 weights: the correlation of the mask with itself shifted
+    by keys, rows or a head, and of the parities of rectangles' two sides, is within 5 standard
+    errors of 0 (a key position that only multiplies its index by a constant fails by 20 or more)."""
+    q = torch.randn(1, 2, 768, 16, device=DEVICE)
+    torch.manual_seed(13)
+    mask = attngen.dropout_mask(q, q, 0.1)[0]
+
+    def z(a, b):  # the correlation of two boolean tensors, in standard errors of independent ones
+        a, b = a.double().flatten(), b.double().flatten()
+        a, b = a - a.mean(), b - b.mean()
+        return float((a * b).mean() / (a.std() * b.std())) * a.numel() ** 0.5
+
+    pairs = {f"{d} keys on": (mask[..., d:], mask[..., :-d]) for d in (1, 2, 8, 64, 256)}
+    pairs |= {f"{e} rows on": (mask[:, e:], mask[:, :-e]) for e in (1, 2, 8, 64)}
+    pairs["next head"] = (mask[1], mask[0])
+    for e, d in ((1, 1), (1, 8), (8, 1), (3, 5)):
+        pairs[f"rectangle {e} x {d}"] = (mask[:, :-e, :-d] ^ mask[:, :-e, d:], mask[:, e:, :-d] ^ mask[:, e:, d:])
+    scores = {name: z(a, b) for name, (a, b) in pairs.items()}
+    assert all(abs(v) < 5 for v in scores.values()), scores
+
+
 def test_dropout_zero_is_the_plain_kernel():
     q, k, v = rand_qkv(1, 2, 2, 40, 40, 16, torch.float32)
     assert torch.equal(attngen.attention(q, k, v, dropout_p=0.0), attngen.attention(q, k, v))
@@ -476,3 +498,16 @@ def test_realistic_dropout_keep_rate_and_determinism():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     keep = attngen.dropout_mask(q[:1, :2], k[:1, :2], 0.1)
     assert abs(float(keep.float().mean()) - 0.9) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["none", "causal"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_fp32_head_dim_128_fits_shared_memory(name, deterministic):
+    """float32 at D=128: the dispatcher's backward tiles for 16-bit inputs (64x128 at 3 stages on
+    sm90) need more shared memory than an SM has at 4 bytes an element; the call must still run
+    (at fewer stages), with gradients that match float64 autograd."""
+    q, k, v = rand_qkv(1, 4, 2, 1000, 1000, 128, torch.float32, device="cuda")
+    check_grads(q, k, v, name, fn=attngen.attention if deterministic else nondeterministic)
+    config = attngen.dispatch.choose(q, k, v, name, kernel="bwd").config
+    assert config.shared_memory(128, 4, "bwd") <= attngen.dispatch.smem_limit(q.device), config
