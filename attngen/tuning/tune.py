@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..argtypes import comma_list
-from ..checks import MAX_TOPK, interpreter_numpy_problem, interpreter_on
+from ..checks import MAX_TOPK, Shape, interpreter_numpy_problem, interpreter_on
 from ..config import KernelConfig, arch_of
 from ..dtypes import DTYPES
 from ..families import FAMILIES
@@ -195,13 +195,16 @@ def start_fresh(problems: list[Problem], settings: Settings) -> None:
 
 def starting_points(problem: Problem, settings: Settings, space) -> list[KernelConfig]:
     """The first configs a new study tries: what the registries already hold for this problem
-    (exact or nearest bucket), the architecture's fallback, then the space's `start` configs; a
+    (exact or nearest bucket), the fallback the dispatcher would run it at (its family's DEFAULTS
+    table for the call: bwd_dense for a dense backward, say), then the space's `start` configs; a
     search never ends worse than them."""
     values = space.for_arch(settings.arch)
     found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
                                     settings.gpu).lookup(problem.entry_key())
     configs = [found[0].kernel_config()] if found else []
-    configs.append(problem.family.default(settings.arch, problem.head_dim)[0])
+    shape = Shape(problem.batch, problem.heads, problem.kv_heads, problem.q_len, problem.seq_len, problem.head_dim)
+    table = problem.family.table(shape, torch.device(settings.device), False, problem.mask_object())
+    configs.append(problem.family.default(settings.arch, problem.head_dim, table)[0])  # the dispatcher's fallback
     configs.extend(space.start.get(settings.arch, ()))
     inside = [c for c in configs if all(getattr(c, n) in values[n] for n in values)]
     return list(dict.fromkeys(inside))

@@ -273,6 +273,20 @@ def test_kernel_all_tunes_every_family():
     assert [p.kernel for p in tune.problems_from_args(args)] == ["fwd"]  # the default
 
 
+def test_new_studies_start_at_the_fallback_the_dispatcher_would_run(tmp_path, monkeypatch):
+    """A dense or causal backward falls back to the bwd_dense table, other masks to bwd: a study
+    starts from the one its calls would run (sm90, D 128: 64x128 w8 s3 against 64x64 w4 s2)."""
+    monkeypatch.setenv("ATTNGEN_USER_REGISTRY", str(tmp_path / "user"))
+    space = find_space("backward", "bwd")
+    settings = tune.Settings(gpu="interpreter", device_name="x", device="cpu", arch="sm90", trials=1, timeout=None,
+                             sampler="tpe", seed=0, storage=None, jobs=1, compile_timeout=60, out=tmp_path / "out")
+    for mask, table in (("causal", "bwd_dense"), ("none", "bwd_dense"), ("sliding_window(window=512)", "bwd")):
+        problem = Problem(mask=mask, dtype="bf16", batch=4, heads=16, kv_heads=16, seq_len=4096, head_dim=128,
+                          kernel="bwd")
+        assert tune.starting_points(problem, settings, space)[0] == default_config(table, "sm90", 128), mask
+    assert default_config("bwd_dense", "sm90", 128) != default_config("bwd", "sm90", 128)
+
+
 def test_gp_sampler_needs_scipy():
     try:
         import scipy  # noqa: F401
