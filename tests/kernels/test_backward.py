@@ -432,11 +432,13 @@ def test_bad_dropout(dropout_p, error):
 @pytest.mark.parametrize("config,mask,flags", [
     (["64", "128", "8", "3"], "causal & softcap(cap=30.0)", ["1"]),
     (["64", "64", "4", "2"], "sliding_window(window=64)", ["0", "1", "1"]),
-], ids=["dropout", "tma and atomic dQ"])
+    (["64", "64", "4", "3"], "causal", ["1", "0", "0", "1"]),
+], ids=["dropout", "tma and atomic dQ", "top-k and dropout"])
 def test_backward_kernels_compile_for_hopper(tmp_path, config, mask, flags):
     """The backward compiled for sm_90 in a child process as a CUDA launch would build it: with
     dropout, a mask and a score modifier; with tensor-descriptor loads and deterministic=False's
-    atomic dQ (no dQ programs)."""
+    atomic dQ (no dQ programs); as a top-k call's at the threshold kernels' tiles (the scores
+    computed in the forward's orientation), with dropout."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([sys.executable, "-m", "attngen.tools.cross_compile", "backward", *config, mask, *flags],
