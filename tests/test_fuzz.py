@@ -27,7 +27,7 @@ import torch
 import attngen
 from attngen.checks import check_scale
 from attngen.reference import TOLERANCE
-from helpers import DEVICE, LSE_TOLERANCE
+from helpers import DEVICE, LSE_TOLERANCE, near_tie_rows
 
 # 400 tiny calls take about half a minute under the interpreter; with CUDA most new variants compile
 CASES = int(os.environ.get("ATTNGEN_FUZZ_CASES", "400" if DEVICE == "cpu" else "150"))
@@ -300,24 +300,6 @@ def check_values(case: Case, pairs) -> list[str]:
     return problems
 
 
-def near_tie_rows(case: Case, ref_inputs, mask) -> torch.Tensor:
-    """(B, Hq, Sq) bool: the rows of a top-k call where another score lies within fp32 rounding
-    (1e-5 of the row's largest magnitude) of the topk-th largest. The float64 reference tells such
-    scores apart exactly and attngen's fp32 scores may not (or may tell exact ties apart: the
-    interpreter's numpy matmul rounds the columns of a tile differently), so either selection is
-    right there. All False for other calls."""
-    q, k = ref_inputs[0].detach(), ref_inputs[1].detach()
-    rows = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
-    topk = case.kwargs.get("topk")
-    if topk is None or topk >= k.shape[2] or q.numel() == 0:
-        return rows
-    s = attngen.reference.scores(q, k, mask, scale=case.kwargs.get("scale"))
-    kth = s.topk(topk, dim=-1).values[..., -1:]
-    size = torch.where(torch.isfinite(s), s.abs(), 0).amax(-1, keepdim=True)
-    near = ((s - kth).abs() <= 1e-5 * size) & torch.isfinite(kth)
-    return near.sum(-1) > 1
-
-
 def run_case(case: Case, outcomes: collections.Counter) -> list[str]:
     """Run one case; count its outcome; return its problems (none where it passes)."""
     q, k, v = case.q, case.k, case.v
@@ -360,7 +342,8 @@ def run_case(case: Case, outcomes: collections.Counter) -> list[str]:
         ref_inputs = [t.requires_grad_() for t in ref_inputs]
     with torch.enable_grad():
         want = call(case, attngen.reference.attention, *ref_inputs, mask)
-    rows = near_tie_rows(case, ref_inputs, mask)  # top-k rows whose selection fp32 rounding may change
+    # top-k rows whose selection fp32 rounding may change
+    rows = near_tie_rows(ref_inputs[0], ref_inputs[1], mask, topk, case.kwargs.get("scale"), exact_ties=True)
     if topk is not None and topk < case.k.shape[2]:
         outcomes["top-k rows"] += rows.numel()
         outcomes["top-k rows left out (near ties)"] += int(rows.sum())

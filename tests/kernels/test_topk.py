@@ -23,7 +23,7 @@ from attngen.config import KernelConfig
 from attngen.kernels import forward, topk
 from attngen.kernels.launch import module_for
 from attngen.kernels.topk import Thresholds, TopkTuning
-from helpers import DEVICE, assert_close, check_forward, poisoned_like, rand_qkv
+from helpers import DEVICE, assert_close, check_forward, poisoned_like, rand_qkv, rows_to_check
 from masks_zoo import ZOO
 
 PATHS = {
@@ -76,7 +76,9 @@ def check_thresholds(q, k, v, mask, topk_, config, tuning=TopkTuning(), own=None
     out, lse = poisoned_like(q)
     forward.forward_launch(q, k, v, out, lse, buffers[0], bound, structure, shape, 1.0, config, False)()
     ref, ref_lse = attngen.reference.attention(q, k, v, mask, scale=1.0, return_lse=True, topk=topk_)
-    assert_close(out, ref, q.dtype, lse, ref_lse)
+    rows = rows_to_check(q, k, mask, topk_, scale=1.0)
+    assert not (torch.isnan(out).any() or torch.isnan(lse).any()), "NaN in the output or the LSE (or unwritten)"
+    assert_close(out[rows], ref[rows], q.dtype, lse[rows], ref_lse[rows])
     return buffers
 
 
@@ -115,6 +117,16 @@ def test_topk_matches_reference(path, case, mask):
     topk_, config = CONFIGS[case]
     q, k, v = rand_qkv(1, 2, 1, 70, 90, 16, torch.float32)
     check_forward(q, k, v, mask, config, topk=topk_, tuning=PATHS[path])
+
+
+def test_a_row_with_a_near_tie_is_left_out_of_the_comparison():
+    """Seeded inputs with one row whose 64th and 65th largest scores differ by 5.7e-9 (after the
+    scale), below fp32's rounding: under the interpreter the kernels kept the 65th and the float64
+    reference the 64th (relative error 3e-3; CI once drew such inputs). The checks leave out that
+    row alone."""
+    q, k, v = rand_qkv(1, 2, 1, 70, 90, 16, torch.float32, generator=torch.Generator().manual_seed(806))
+    assert (~rows_to_check(q, k, None, 64)).nonzero().tolist() == [[0, 1, 8]]
+    check_forward(q, k, v, None, CONFIGS["k64"][1], topk=64, tuning=PATHS["sampled"])
 
 
 @pytest.mark.parametrize("path", on_cpu({("sampled",), ("missed",)}, path=PATHS))
@@ -335,7 +347,8 @@ def test_dispatcher_names_the_topk_variant():
     text = attngen.explain(q, k, v, mask="causal", topk=40)
     assert "variant causal(align='top_left') & topk(64)" in text
     out = attngen.attention(q, k, v, mask="causal", topk=40)
-    assert_close(out, attngen.reference.attention(q, k, v, mask="causal", topk=40), torch.float32)
+    rows = rows_to_check(q, k, "causal", 40)
+    assert_close(out[rows], attngen.reference.attention(q, k, v, mask="causal", topk=40)[rows], torch.float32)
 
 
 @pytest.mark.parametrize("topk_,error,message", [
