@@ -59,20 +59,21 @@ def assert_close(out, ref, dtype, lse=None, ref_lse=None):
             assert (out[empty] == 0).all(), "an empty row must give output 0"
 
 
-def near_tie_rows(q, k, mask, topk, scale=None, exact_ties=False):
+def near_tie_rows(q, k, mask, topk, scale=None, exact_ties=False, margin=1e-6):
     """(B, Hq, Sq) bool: the rows of a top-k call where a visible score just below the topk-th
-    largest lies within fp32 rounding of it (1e-5 of the row's largest magnitude). The float64
-    reference tells the two apart and attngen's fp32 scores may not, so either selection is right
-    there (on random floats a row of 90 scores has such a near tie about once in 10^5). With
-    `exact_ties`, any other score within that distance counts, equal ones too: the interpreter's
-    numpy matmul may round the columns of a tile apart. All False without top-k."""
+    largest lies within fp32 rounding of it (`margin` of the row's largest magnitude; a score's
+    rounding error is nearer 1e-8 of it). The float64 reference tells the two apart and attngen's
+    fp32 scores may not, so either selection is right there (on random floats a row of 90 scores
+    has a near tie within 1e-6 about once in 10^5). With `exact_ties`, any other score within that
+    distance counts, equal ones too: the interpreter's numpy matmul may round the columns of a tile
+    apart. All False without top-k."""
     rows = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
     if topk is None or topk >= k.shape[2] or q.numel() == 0:
         return rows
     s = attngen.reference.scores(q.detach(), k.detach(), mask, scale=scale)
     kth = s.topk(topk, dim=-1).values[..., -1:]
     size = torch.where(torch.isfinite(s), s.abs(), 0).amax(-1, keepdim=True)
-    near = ((s - kth).abs() <= 1e-5 * size) & torch.isfinite(kth)
+    near = ((s - kth).abs() <= margin * size) & torch.isfinite(kth)
     if exact_ties:
         return near.sum(-1) > 1
     return (near & (s < kth)).any(-1)
@@ -80,9 +81,10 @@ def near_tie_rows(q, k, mask, topk, scale=None, exact_ties=False):
 
 def rows_to_check(q, k, mask, topk, scale=None):
     """The rows a top-k check compares with the reference: all but its near ties (near_tie_rows),
-    which random inputs make rare; a check that would leave out over 1% of its rows fails instead."""
+    which random inputs make rare; a check that would leave out over a tenth of its rows fails
+    instead."""
     near = near_tie_rows(q, k, mask, topk, scale)
-    assert near.sum() <= 0.01 * near.numel() + 1, f"{int(near.sum())} of {near.numel()} rows have near ties"
+    assert near.sum() <= 0.1 * near.numel() + 1, f"{int(near.sum())} of {near.numel()} rows have near ties"
     return ~near
 
 
