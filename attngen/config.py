@@ -187,7 +187,8 @@ DEFAULTS["fwd_varlen"] = dict(DEFAULTS["fwd"],
 # D 65-128, bf16 S 4096 (benchmarks/bwd_configs.py, benchmarks/RESULTS.md "Backward configs"): on an
 # H100 4.440 / 2.534 ms (dense / causal, forward included) at 64x128 w8 s3 against 4.586 / 2.631 at
 # 64x64 w4 s2; on an H200 4.458 / 2.541 against 4.651 / 2.577. With sparser masks (a window of 512,
-# documents) 64x64 w4 s2 is 11-19% faster. Top-k calls run their own tiles (kernels.backward.topk_config).
+# documents) 64x64 w4 s2 is 11-19% faster. Top-k calls take these rows on Hopper and the threshold
+# kernels' tiles elsewhere (kernels.backward.topk_config).
 DEFAULTS["bwd_dense"] = dict(DEFAULTS["bwd"], sm90=[(64, DEFAULTS["bwd"]["sm90"][0][1]),
                                                    (128, KernelConfig(64, 128, 8, 3)), DEFAULTS["bwd"]["sm90"][1]])
 

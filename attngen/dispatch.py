@@ -28,6 +28,7 @@ from .checks import check_qkv, check_topk, topk_pad
 from .config import KernelConfig, arch_of, shared_memory_limit
 from .dtypes import NAMES as DTYPE_NAMES
 from .families import BACKWARD, FORWARD, KernelFamily, family, query_rows
+from .kernels.backward import topk_config
 from .kernels.decode import takes_short_query
 from .tuning import registry as registry_
 
@@ -126,8 +127,9 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     rows = min(query_rows(shape.q_len), 1 << 20)
     group = max(shape.group, 1)  # q with no heads (an empty call) runs nothing: any group will do
     batch = family.batch_bucket(shape.batch)
-    # what makes the kernels hold more a tile (top-k runs every kernel at the forward's tiles: nothing to adapt)
-    wide = "" if topk else "dropout" if dropout else "atomic dQ" if atomic_dq else ""
+    # what makes the kernels hold more a tile (a top-k call's backward off Hopper runs at the threshold
+    # kernels' tiles whatever the config: kernels.backward.topk_config)
+    wide = "dropout" if dropout else "atomic dQ" if atomic_dq else ""
     table = family.table(shape, q.device, paged, mask)
     cache_key = (family.name, q.device, q.dtype, shape.head_dim, bucket, group,
                  mask.key if mask is not None else None, rows, topk_pad(topk), batch, wide, table, paged)
@@ -192,4 +194,9 @@ def explain(q, k, v, mask=None, *, topk=None) -> str:
         choice = choose(q, k, v, mask, topk=topk, kernel=kernel)
         lines.append(f"{choice.kernel} kernel, variant {choice.variant}; {q.dtype}; config {choice.config}; "
                      f"from {choice.source}")
+        if kernel == "bwd" and check_topk(topk, k.shape[-2]):
+            config, fwd_orient = topk_config(choice.config, choose(q, k, v, mask, topk=topk).config, q.device)
+            if fwd_orient:
+                lines[-1] += (f"; a top-k call's backward runs at the threshold kernels' config {config}, the "
+                              "scores computed queries first (kernels.backward.topk_config)")
     return "\n".join(lines)

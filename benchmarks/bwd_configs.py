@@ -3,7 +3,10 @@
     python benchmarks/bwd_configs.py [--shape 4,16,4096,128] [--masks none,causal] [--configs 32x128x4x3,...]
 
 --masks takes benchmarks/training.py's case names (none, causal, window512, document, prefix1024,
-sparse10): the same masks as there, so the figures of both scripts compare.
+sparse10, topk64, topk256): the same masks as there, so the figures of both scripts compare. A
+top-k case's backward runs at the config where attngen.kernels.backward.topk_config allows it (on
+Hopper), and the config `threshold` times it at the threshold kernels' tiles in the forward's
+orientation, the other choice of topk_config.
 
 A config is BLOCK_M x BLOCK_N x warps x stages of the `bwd` family, a trailing `t` for
 tensor-descriptor loads (dK/dV runs block_m x block_n tiles, dQ block_n x block_m;
@@ -29,6 +32,8 @@ from training import case_masks, reference_grads
 import attngen
 from attngen.config import KernelConfig
 from attngen.families import BACKWARD, FORWARD
+from attngen.kernels import backward as backward_module
+from attngen.kernels.topk import TopkTuning, threshold_config
 from attngen.tools.timing import BWD_FACTOR
 
 DEFAULT_CONFIGS = "32x128x4x3,32x128x4x2,64x128x8x2,32x64x4x3,64x64x4x2,16x128x4x3,64x128x4x2,32x128x8x3"
@@ -58,31 +63,39 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for mask_name in args.masks.split(","):
         mask, _, _, topk = case_masks(mask_name, b, h, s, "cuda")
-        if topk is not None or mask_name == "dropout":
+        if mask_name == "dropout":
             raise SystemExit(f"--masks: {mask_name!r} is not a mask; expected one of none, causal, window512, "
-                             "document, prefix1024, sparse10")
+                             "document, prefix1024, sparse10, topk64, topk256")
         if isinstance(mask, str):
             mask = attngen.masks.parse_spec(mask)
         refs = reference_grads(mask_name, q, k, v, dout)[1:]  # dQ, dK, dV of batch 0, heads 0-1
         flops = FORWARD.flops(mask, b, h, s, s, d, "cuda") * (1 + BWD_FACTOR)
         fwd_config = FORWARD.default("sm90", d)[0]
-        fwd = FORWARD.prepare(q, k, v, mask, topk=None, config=fwd_config)
+        fwd = FORWARD.prepare(q, k, v, mask, topk=topk, config=fwd_config)
         fwd_ms = triton.testing.do_bench(lambda: fwd(q, k, v), warmup=50, rep=200, return_mode="median")
         for text in args.configs.split(","):
-            config = parse_config(text)
+            at_thresholds = text == "threshold"
+            config = BACKWARD.default("sm90", d)[0] if at_thresholds else parse_config(text)
+            real_topk_config = backward_module.topk_config
+            if at_thresholds:  # topk_config's other choice, for the call's plan (built in prepare)
+                backward_module.topk_config = lambda c, f, device: (threshold_config(f, device, TopkTuning()), True)
             try:
+                if at_thresholds and (topk is None or args.nondeterministic):
+                    raise ValueError("the config threshold is for top-k cases, deterministic")
                 if args.nondeterministic:  # no prepared form: the launches are built per call
-                    run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=None, config=config,  # noqa: E731
+                    run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=topk, config=config,  # noqa: E731
                                                deterministic=False)
                 else:
-                    prepared = BACKWARD.prepare(q, k, v, dout, mask, topk=None, config=config)
+                    prepared = BACKWARD.prepare(q, k, v, dout, mask, topk=topk, config=config)
                     run = lambda: prepared(q, k, v, dout)  # noqa: E731
+                backward_module.topk_config = real_topk_config
                 grads = run()
                 error = max(float((x[:1, :2].double() - r).norm() / r.norm()) for x, r in zip(grads, refs))
                 ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
                 print(f"| {mask_name} | {text} | {ms:.3f} | {ms - fwd_ms:.3f} | {flops / ms / 1e9:.0f} | {error:.1e} |",
                       flush=True)
             except Exception as e:  # out of resources and the like
+                backward_module.topk_config = real_topk_config
                 print(f"| {mask_name} | {text} | n/a | | | {type(e).__name__}: {str(e).splitlines()[0][:100]} |",
                       flush=True)
     return 0

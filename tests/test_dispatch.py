@@ -200,8 +200,9 @@ def test_a_call_whose_config_needs_more_shared_memory_than_the_device_has_runs_f
 def test_dropout_calls_take_backward_tiles_that_do_not_spill(tmp_path, clean_dispatch):
     """Dropout's random bits need registers in the dK/dV programs: a backward config on 4 warps runs on
     8 with 128-key blocks and 3 stages under dropout (it spills on sm_90 otherwise), and says so;
-    the forward's config, an 8-warp backward and top-k calls' tiles stay as they are. The call runs
-    with the adapted configs and stays right."""
+    the forward's config and an 8-warp backward stay as they are; a top-k call's backward config
+    adapts too (on Hopper it runs at it: kernels.backward.topk_config). The call runs with the
+    adapted configs and stays right."""
     fwd, bwd = KernelConfig(128, 16, 4, 1), KernelConfig(64, 64, 4, 1)
     write(tmp_path, entry(256, fwd), entry(256, bwd, kernel="bwd"))
     dispatch.use_registry(tmp_path)
@@ -212,8 +213,9 @@ def test_dropout_calls_take_backward_tiles_that_do_not_spill(tmp_path, clean_dis
     backward = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, dropout=True)
     assert backward.config == KernelConfig(64, 128, 8, 3)
     assert backward.source.endswith("; 8 warps, 128-key blocks under dropout")
-    topk = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, topk=8)
-    assert dispatch.choose_config(FAMILIES["bwd"], q, shape, None, topk=8, dropout=True).config == topk.config
+    topk = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, topk=8).config  # no entry: the fallback
+    wide = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, topk=8, dropout=True).config
+    assert wide == FAMILIES["bwd"].fit_wide(topk, "dropout")[0] != topk
     assert FAMILIES["bwd"].fit_wide(KernelConfig(64, 128, 8, 2), "dropout") == (KernelConfig(64, 128, 8, 2), "")
     atomic = dispatch.choose_config(FAMILIES["bwd"], q, shape, None, atomic_dq=True)
     assert atomic.config == KernelConfig(64, 128, 8, 3)

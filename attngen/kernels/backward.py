@@ -19,7 +19,7 @@ from .. import masks as masks_
 from ..config import KernelConfig, block_d_for
 from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, maker, mask_args, module_for,
                      structure_args, tensor_args, tma_eligible)
-from .topk import TopkTuning, threshold_config
+from .topk import TopkTuning, any_tile, threshold_config
 
 TEMPLATE = "backward"  # templates/kernels/backward.py.jinja
 PREPROCESS_ROWS = 64  # query rows a preprocessing program takes
@@ -32,18 +32,26 @@ def tiles(config: KernelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
     return (config.block_m, config.block_n), (config.block_n, config.block_m)
 
 
-def topk_config(forward: KernelConfig, device) -> KernelConfig:
-    """The config of a top-k call's backward kernels: the threshold kernels' (attngen.kernels.topk.
-    threshold_config), for both kernels' tiles, with the scores computed in the forward's
-    orientation, so that every score comes out bit for bit as the forward and the thresholds saw it."""
-    return threshold_config(forward, device, TopkTuning())
+def topk_config(config: KernelConfig, forward: KernelConfig, device) -> tuple[KernelConfig, bool]:
+    """(the config a top-k call's backward kernels run at, whether they compute the scores in the
+    forward's orientation) for a call whose backward would run at `config` and whose forward ran at
+    `forward`. Every score must come out bit for bit as the forward and the threshold kernels saw
+    it. Where every kernel's score dot computes a score the same way at any tiles and in either
+    orientation (topk.any_tile: Hopper's wgmma; both backward dots have block_n rows), the backward
+    runs at `config`, like any other call. Elsewhere both of its kernels run at the threshold
+    kernels' config (topk.threshold_config), tiles of the forward's (block_m, block_n), queries
+    first: the dK/dV programs transpose their scores."""
+    if (any_tile(forward.block_m, forward.num_warps, device) and any_tile(config.block_n, config.num_warps, device)
+            and config.block_m in (32, 64, 128)):
+        return config, False
+    return threshold_config(forward, device, TopkTuning()), True
 
 
-def takes_tma(config: KernelConfig, thr, *tensors) -> bool:
+def takes_tma(config: KernelConfig, fwd_orient: bool, *tensors) -> bool:
     """Whether a call's streamed tiles load through tensor descriptors: where its config says so,
-    not for top-k (its kernels run at the threshold kernels' tiles), and where the tensors' strides
-    and base pointers fit (tma_eligible)."""
-    return config.use_tma and thr is None and tma_eligible(*tensors)
+    not for top-k calls at the threshold kernels' tiles (`fwd_orient`: they ran slower so at 64x64
+    on 4 warps when plain), and where the tensors' strides and base pointers fit (tma_eligible)."""
+    return config.use_tma and not fwd_orient and tma_eligible(*tensors)
 
 
 def dq_buffer(q) -> torch.Tensor:
@@ -77,11 +85,14 @@ class BackwardPlan:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.deterministic = deterministic
         acc = None if deterministic else dq_buffer(q)
+        fwd_orient = False
+        if thr is not None:
+            config, fwd_orient = topk_config(config, forward, q.device)
         preprocess, grads = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape, scale,
-                                              config, forward, dropout_p, dq_acc=acc)
+                                              config, fwd_orient, dropout_p, dq_acc=acc)
         # variant 1 loads through tensor descriptors: where the strides fit, for calls whose base
         # pointers are aligned too (checked per call)
-        self.tma = takes_tma(config, thr, q, k, v, dout)
+        self.tma = takes_tma(config, fwd_orient, q, k, v, dout)
         self.rows = shape.batch * shape.heads * shape.q_len
         self.new_dq, self.new_dk, self.new_dv = maker(dq), maker(dk), maker(dv)
         self.new_delta = maker(torch.empty(delta_size(self.rows, dropout_p), dtype=torch.float32, device=q.device))
@@ -122,12 +133,13 @@ def delta_size(rows: int, dropout_p: float) -> int:
 
 
 def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shape, scale: float,
-                      config: KernelConfig, forward: KernelConfig | None = None, dropout_p: float = 0.0,
+                      config: KernelConfig, fwd_orient: bool = False, dropout_p: float = 0.0,
                       seed: int = 0, dq_acc: torch.Tensor | None = None, use_tma: bool = False) -> list[Launch]:
     """The two launches of `backward`, in order: the preprocessing, then the gradients' (dK/dV and
     dQ programs, writing into dq, dk and dv); with `dq_acc` (dq_buffer's), dK/dV programs only,
-    which add dQ into dq_acc atomically (the caller copies it into dq). `use_tma`: the streamed tiles
-    load through tensor descriptors (the caller checked takes_tma and set Triton's allocator)."""
+    which add dQ into dq_acc atomically (the caller copies it into dq). `config`: a top-k call's
+    (topk_config's), and `fwd_orient` its second part. `use_tma`: the streamed tiles load through
+    tensor descriptors (the caller checked takes_tma and set Triton's allocator)."""
     bound = masks_.bind(mask, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len,
                         device=q.device)
     module = module_for(TEMPLATE, mask)
@@ -146,8 +158,7 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                              HAS_DLSE=has_dlse, DROPOUT=dropout_p > 0, num_warps=4))
 
     topk = thr is not None
-    if topk:
-        config = topk_config(forward, q.device)
+    if fwd_orient:  # both kernels at the forward's (block_m, block_n), queries first
         (bm1, bn1), (bm2, bn2) = (config.block_m, config.block_n), (config.block_m, config.block_n)
     else:
         (bm1, bn1), (bm2, bn2) = tiles(config)
@@ -174,6 +185,6 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                         stride_accm=dq_acc.stride(2) if dq_acc is not None else 0,
                         **structure_args(by_key, "DKV_"), **structure_args(by_query, "DQ_")),
                    dict(options, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
-                        CONTIGUOUS1=by_key.contiguous, CONTIGUOUS2=by_query.contiguous, FWD_ORIENT=topk,
+                        CONTIGUOUS1=by_key.contiguous, CONTIGUOUS2=by_query.contiguous, FWD_ORIENT=fwd_orient,
                         DQ_ATOMIC=dq_acc is not None))
     return [preprocess, grads]

@@ -170,17 +170,25 @@ def _programs(n_tiles: int, device, per_sm: int = 1) -> int:
     return min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def any_tile(rows: int, warps: int, device) -> bool:
+    """Whether a kernel whose score dot has `rows` rows in its first operand, on `warps` warps,
+    computes every score bit for bit as any other such kernel does, whatever the tiles and whichever
+    of q and k comes first: on Hopper, where such dots run as wgmma (64 or 128 rows, 4 or 8 warps).
+    tests/kernels/test_gpu.py checks it there, for 32 to 128 columns, both orientations, every
+    input dtype; the interpreter's numpy matmul sums in another order for another tile shape, and
+    other GPUs were not checked."""
+    return (device.type == "cuda" and not interpreter_on() and torch.cuda.get_device_capability(device)[0] == 9
+            and rows in (64, 128) and warps in (4, 8))
+
+
 def threshold_config(config: KernelConfig, device, tuning: TopkTuning) -> KernelConfig:
     """The config of a top-k call's threshold kernels when its attention kernel runs at `config`.
 
-    Every kernel must compute every score bit for bit the same. wgmma (Hopper) computes a score the
-    same way for any rows and warps of a tile, so there, for key blocks of 64 and tiles of 64 or 128
-    rows at 4 or 8 warps, the threshold kernels run at tuning.threshold_tile and the attention
-    kernel at the tiles it runs fastest at. Elsewhere both share the call's config (the
-    interpreter's numpy matmul sums in another order for another tile shape; other GPUs were not
-    checked)."""
-    if (device.type == "cuda" and not interpreter_on() and torch.cuda.get_device_capability(device)[0] == 9
-            and config.block_n == 64 and config.block_m in (64, 128) and config.num_warps in (4, 8)):
+    Every kernel must compute every score bit for bit the same. Where the attention kernel's tiles
+    allow that at any tiles (any_tile), for key blocks of 64, the threshold kernels run at
+    tuning.threshold_tile and the attention kernel at the tiles it runs fastest at. Elsewhere both
+    share the call's config."""
+    if config.block_n == 64 and any_tile(config.block_m, config.num_warps, device):
         block_m, warps, stages = tuning.threshold_tile
         return KernelConfig(block_m, config.block_n, warps, stages, use_tma=config.use_tma)
     return config

@@ -6,7 +6,7 @@ in a process of its own: the interpreter, once on, cannot compile.
 
     python -m attngen.tools.cross_compile topk BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
     python -m attngen.tools.cross_compile forward BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) MASK DROPOUT(0/1)
-    python -m attngen.tools.cross_compile backward BLOCK_M BLOCK_N WARPS STAGES MASK DROPOUT(0/1) [TMA(0/1) [ATOMIC_DQ(0/1) [TOPK(0/1)]]]
+    python -m attngen.tools.cross_compile backward BLOCK_M BLOCK_N WARPS STAGES MASK DROPOUT(0/1) [TMA(0/1) [ATOMIC_DQ(0/1) [TOPK(0/1/2)]]]
     python -m attngen.tools.cross_compile decode BLOCK_M BLOCK_N WARPS STAGES MASK PAGED(0/1) GROUP SQ
     python -m attngen.tools.cross_compile varlen MASK
 
@@ -150,12 +150,13 @@ def forward_launches(block_m: int, block_n: int, warps: int, stages: int, tma: b
 
 
 def backward_launches(block_m: int, block_n: int, warps: int, stages: int, mask: str, dropout: bool,
-                      tma: bool = False, atomic_dq: bool = False, topk: bool = False):
+                      tma: bool = False, atomic_dq: bool = False, topk: int = 0):
     """The launches of a backward call at that `bwd` config, as a CUDA launch would make them (with
-    tensor-descriptor loads; with deterministic=False's atomic dQ; as a top-k call's, whose
-    backward runs both kernels at the config's tiles, the threshold kernels' on a GPU, with the
-    scores computed in the forward's orientation: kernels.backward.topk_config; with `tma` too, what
-    they would be if kernels.backward.takes_tma let top-k calls load through descriptors)."""
+    tensor-descriptor loads; with deterministic=False's atomic dQ). `topk` 1: as a top-k call's at
+    the threshold kernels' tiles (kernels.backward.topk_config off its any_tile rule), both kernels
+    at (block_m, block_n) with the scores in the forward's orientation (with `tma` too, what they
+    would be if kernels.backward.takes_tma let them load through descriptors); 2: as a top-k
+    call's at its own config, the tiles and orientation of any other call (on Hopper)."""
     from ..checks import check_qkv
     from ..config import KernelConfig
     from ..kernels.backward import backward_launches as launches
@@ -168,7 +169,7 @@ def backward_launches(block_m: int, block_n: int, warps: int, stages: int, mask:
     acc = torch.zeros(q.shape, dtype=torch.float32) if atomic_dq else None
     thr = torch.zeros(2 * q.shape[:3].numel()) if topk else None
     return launches(q, q, q, q, lse, thr, q, None, q, q, q, parse_spec(mask), shape, 128 ** -0.5, config,
-                    forward=config, dropout_p=0.1 if dropout else 0.0, seed=1, dq_acc=acc, use_tma=tma)
+                    fwd_orient=topk == 1, dropout_p=0.1 if dropout else 0.0, seed=1, dq_acc=acc, use_tma=tma)
 
 
 def decode_launches(block_m: int, block_n: int, warps: int, stages: int, mask: str, paged: bool, group: int,
@@ -237,8 +238,9 @@ def main(argv: list[str]) -> int:
                                                                 argv[7] == "1")]
     elif argv and argv[0] == "backward" and 7 <= len(argv) <= 10:
         bm, bn, warps, stages = (int(x) for x in argv[1:5])
-        flags = [x == "1" for x in argv[6:]] + [False] * (10 - len(argv))
-        launches = [(launch, {}) for launch in backward_launches(bm, bn, warps, stages, argv[5], *flags)]
+        flags = [x == "1" for x in argv[6:9]] + [False] * (9 - min(len(argv), 9))
+        topk = int(argv[9]) if len(argv) == 10 else 0
+        launches = [(launch, {}) for launch in backward_launches(bm, bn, warps, stages, argv[5], *flags, topk)]
     elif argv and argv[0] == "decode" and len(argv) == 9:
         bm, bn, warps, stages = (int(x) for x in argv[1:5])
         launches = [(launch, {}) for launch in decode_launches(bm, bn, warps, stages, argv[5], argv[6] == "1",

@@ -116,6 +116,43 @@ def test_topk_gradients_flow_through_the_kept_scores_only(mask):
     check_grads(q, k, v, mask, topk=7)
 
 
+@pytest.mark.parametrize("mask,deterministic", [(None, True), ("causal", False)])
+def test_topk_at_the_backwards_own_tiles(mask, deterministic, monkeypatch):
+    """The path a Hopper GPU takes (backward.topk_config's any_tile rule): a top-k call's backward at
+    its own config, tiles unlike the forward's and the thresholds', the dK/dV programs computing
+    their scores keys first. Integer-valued q and k make every score exact in any order and tile,
+    as wgmma makes them on Hopper (tests/kernels/test_gpu.py), so the backward keeps the keys the
+    forward kept; GQA 2:1, with ties at the topk-th score."""
+    config = KernelConfig(32, 16, 4, 1)  # dK/dV: 16-key blocks, 32-query tiles; dQ: 16-query blocks
+    chosen = []
+
+    def own_config(bwd, fwd, device):
+        chosen.append(fwd)
+        return config, False
+
+    monkeypatch.setattr(backward_module, "topk_config", own_config)
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randint(-2, 3, (1, h, n, 16), generator=g).float().to(DEVICE) for h, n in ((4, 70), (2, 90)))
+    v = torch.randn(1, 2, 90, 16, device=DEVICE)
+    check_grads(q, k, v, mask, topk=7, fn=attngen.attention if deterministic else nondeterministic)
+    assert chosen and chosen[0].block_n != config.block_n
+
+
+def test_explain_names_the_config_a_topk_backward_runs_at():
+    """Off Hopper a top-k call's backward runs at the threshold kernels' config (under the
+    interpreter the forward's, which they share), whatever the dispatcher chose: explain says so."""
+    q, k, v = rand_qkv(1, 2, 2, 40, 50, 16, torch.float32)
+    q.requires_grad_()
+    text = attngen.explain(q, k, v, mask="causal", topk=5)
+    fwd = attngen.dispatch.choose(q, k, v, "causal", topk=5).config
+    config, fwd_orient = backward_module.topk_config(attngen.dispatch.choose(q, k, v, "causal", topk=5, kernel="bwd")
+                                                     .config, fwd, q.device)
+    assert fwd_orient or DEVICE == "cuda"
+    want = f"a top-k call's backward runs at the threshold kernels' config {config}"
+    assert (want in text) == fwd_orient, text
+    assert "threshold kernels" not in attngen.explain(q, k, v, mask="causal")
+
+
 def test_block_sparse_backward_visits_the_layout_only():
     """A key block the layout hides holds NaN: a kernel that loaded it would spread it (tiles no
     larger than the layout's blocks, as the forward's test does)."""
@@ -436,12 +473,14 @@ def test_bad_dropout(dropout_p, error):
     (["64", "128", "8", "3"], "causal & softcap(cap=30.0)", ["1"]),
     (["64", "64", "4", "2"], "sliding_window(window=64)", ["0", "1", "1"]),
     (["64", "64", "4", "3"], "causal", ["1", "0", "0", "1"]),
-], ids=["dropout", "tma and atomic dQ", "top-k and dropout"])
+    (["64", "128", "8", "3"], "none", ["0", "1", "0", "2"]),
+], ids=["dropout", "tma and atomic dQ", "top-k and dropout", "top-k at its own tiles with tma"])
 def test_backward_kernels_compile_for_hopper(tmp_path, config, mask, flags):
     """The backward compiled for sm_90 in a child process as a CUDA launch would build it: with
     dropout, a mask and a score modifier; with tensor-descriptor loads and deterministic=False's
     atomic dQ (no dQ programs); as a top-k call's at the threshold kernels' tiles (the scores
-    computed in the forward's orientation), with dropout."""
+    computed in the forward's orientation), with dropout; as a top-k call's at its own tiles, with
+    tensor-descriptor loads."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([sys.executable, "-m", "attngen.tools.cross_compile", "backward", *config, mask, *flags],

@@ -3,13 +3,15 @@ top-k parametrizations the CPU suite leaves to the GPU (skipped without CUDA).""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import attngen
 from attngen.checks import check_qkv
 from attngen.config import KernelConfig
 from attngen.kernels import forward
 from attngen.kernels.launch import ensure_allocator, module_for, tma_eligible
-from attngen.kernels.topk import Thresholds, TopkTuning, threshold_config
+from attngen.kernels.topk import Thresholds, TopkTuning, any_tile, threshold_config
 from helpers import assert_close, check_forward, poisoned_like, rand_qkv
 from masks_zoo import ZOO
 
@@ -96,6 +98,54 @@ def test_topk_thresholds_at_their_own_tiles(topk, config, mask):
     shared = attention(config)  # the attention's own
     assert torch.equal(own, shared)
     assert_close(own, attngen.reference.attention(q, k, v, mask, topk=topk), torch.bfloat16)
+
+
+@triton.jit
+def _score_tile(Q, K, S, kv_len, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                KEYS_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One ROWS x COLS tile of the fp32 scores S = Q K^T ((Sq, Sk), lengths multiples of the tile);
+    KEYS_FIRST: the tile's rows are keys, computed as K Q^T, as the backward's dK/dV programs do."""
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_c = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if KEYS_FIRST:
+        k = tl.load(K + offs_r[:, None] * HEAD_DIM + offs_d[None, :])
+        q = tl.load(Q + offs_c[:, None] * HEAD_DIM + offs_d[None, :])
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        tl.store(S + offs_c[None, :] * kv_len + offs_r[:, None], s_t)
+    else:
+        q = tl.load(Q + offs_r[:, None] * HEAD_DIM + offs_d[None, :])
+        k = tl.load(K + offs_c[:, None] * HEAD_DIM + offs_d[None, :])
+        tl.store(S + offs_r[:, None] * kv_len + offs_c[None, :], tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION))
+
+
+@pytest.mark.parametrize("dtype,precision,head_dim", [
+    (torch.bfloat16, "tf32", 128), (torch.bfloat16, "tf32", 64), (torch.float16, "tf32", 128),
+    (torch.float32, "tf32", 128), (torch.float32, "ieee", 64)], ids=["bf16-128", "bf16-64", "fp16-128", "tf32-128",
+                                                                     "fp32-64"])
+def test_scores_are_the_same_at_any_tile_and_orientation(dtype, precision, head_dim):
+    """topk.any_tile's rule, on which a top-k call's kernels rely to keep the same keys (the
+    threshold kernels at their own tiles, the backward at its own config, keys first): every dot
+    of 64 or 128 rows on 4 or 8 warps, over 32 to 128 columns, queries or keys first, gives each
+    score bit for bit as the threshold kernels' tiles do (64 queries x 64 keys, 4 warps)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("any_tile holds on Hopper only")
+    assert any_tile(64, 4, torch.device("cuda")) and not any_tile(32, 4, torch.device("cuda"))
+    g = torch.Generator().manual_seed(head_dim)
+    q, k = (torch.randn(n, head_dim, generator=g).to("cuda", dtype) for n in (512, 768))
+
+    def scores(rows, cols, warps, keys_first):
+        s = torch.full((512, 768), float("nan"), device="cuda")
+        grid = ((768 if keys_first else 512) // rows, (512 if keys_first else 768) // cols)
+        _score_tile[grid](q, k, s, 768, head_dim, rows, cols, keys_first, precision, num_warps=warps)
+        return s
+
+    base = scores(64, 64, 4, False)
+    assert not torch.isnan(base).any()
+    differ = [(rows, cols, warps, keys_first, int((s.view(torch.int32) != base.view(torch.int32)).sum()))
+              for rows in (64, 128) for cols in (32, 64, 128) for warps in (4, 8) for keys_first in (False, True)
+              for s in [scores(rows, cols, warps, keys_first)]]
+    assert [d for d in differ if d[-1]] == [], "tiles (rows, cols, warps, keys first, scores that differ)"
 
 
 @pytest.mark.parametrize("density", [0.5, 0.1])
