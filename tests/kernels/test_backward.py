@@ -515,6 +515,39 @@ def test_realistic_shape_against_fp32(name, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("topk", [64, 256])
+def test_realistic_topk_against_fp32(topk):
+    """Top-k at B=4 H=16 (GQA 4:1) S=4096 D=128 in bf16 against float32 autograd through the
+    reference on batch 0, whose rows with near ties (rows_to_check) get no upstream gradient."""
+    q, k, v = rand_qkv(4, 16, 4, 4096, 4096, 128, torch.bfloat16, device="cuda")
+    rows = rows_to_check(q[:1], k[:1], None, topk)
+    dout = torch.randn_like(q)
+    dout[:1] *= rows[..., None]
+    got = grads(q, k, v, dout, topk=topk)
+    ref = grads(*(t[:1].float() for t in (q, k, v, dout)), fn=attngen.reference.attention, topk=topk)
+    for label, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = rel_error(x[:1][rows], r[rows]) if label == "out" else rel_error(x[:1], r)
+        assert err <= GRAD_TOLERANCE[torch.bfloat16], f"{label}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+def test_realistic_dropout_against_fp32():
+    """Dropout p=0.1 under a causal mask at B=4 H=16 S=4096 D=128 in bf16 against float32 autograd
+    through the reference on batch 0, with the dropout mask the call used."""
+    q, k, v = rand_qkv(4, 16, 16, 4096, 4096, 128, torch.bfloat16, device="cuda")
+    dout = torch.randn_like(q)
+    torch.manual_seed(21)
+    got = grads(q, k, v, dout, "causal", dropout_p=0.1)
+    torch.manual_seed(21)
+    keep = attngen.dropout_mask(q, k, 0.1)[:1].clone()
+    ref = grads(*(t[:1].float() for t in (q, k, v, dout)), "causal", fn=attngen.reference.attention,
+                dropout_p=0.1, dropout_mask=keep)
+    for label, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = rel_error(x[:1], r)
+        assert err <= GRAD_TOLERANCE[torch.bfloat16], f"{label}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["none", "causal", "document"])
 def test_realistic_shape_with_atomic_dq(name):
     """deterministic=False at B=2 H=16 S=4096 D=128 in bf16 against float32 autograd on batch 0."""
