@@ -66,7 +66,7 @@ def test_every_mask(name):
     check_grads(q, k, v, ZOO[name](2, heads, 100, 77, DEVICE))
 
 
-@pytest.mark.parametrize("q_len,kv_len,head_dim", [(1, 1, 16), (7, 130, 8), (257, 100, 40)])
+@pytest.mark.parametrize("q_len,kv_len,head_dim", [(1, 1, 16), (7, 130, 8), (257, 100, 40), (30, 19, 1), (40, 70, 256)])
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_lengths_and_head_dims(q_len, kv_len, head_dim, mask):
     q, k, v = rand_qkv(1, 3, 1, q_len, kv_len, head_dim, torch.float32)
@@ -575,6 +575,16 @@ def test_realistic_dropout_keep_rate_and_determinism():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     keep = attngen.dropout_mask(q[:1, :2], k[:1, :2], 0.1)
     assert abs(float(keep.float().mean()) - 0.9) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [256, 200])
+@pytest.mark.parametrize("topk", [None, 16])
+def test_large_head_dims(head_dim, topk):
+    """bf16 at D=200 and 256 (the largest), causal, plain and top-k: the dispatcher's tiles for such
+    heads must fit and give gradients that match float64 autograd."""
+    q, k, v = rand_qkv(1, 4, 2, 1000, 1000, head_dim, torch.bfloat16, device="cuda")
+    check_grads(q, k, v, "causal", topk=topk)
 
 
 @pytest.mark.gpu
