@@ -5,6 +5,7 @@ attngen.reference, on fresh random inputs and upstream gradients."""
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -301,6 +302,24 @@ def test_a_repeated_training_call_reuses_its_prepared_launches(mask, topk, monke
                         attngen.masks.as_mask(mask), shape, 16 ** -0.5, config, fwd_config)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+def test_gradcheck():
+    """torch.autograd.gradcheck: every entry of the Jacobian of the output and of the LSE against
+    central differences, and the backward run twice bit for bit (nondet_tol=0). In float32 on a
+    tiny shape: the kernels accumulate in fp32 whatever the input (issue 23), so they do not take
+    float64, and the step and tolerances are sized for fp32 (eps 1e-3: rounding ~1e-4, truncation
+    ~1e-6). GQA 2:1, a causal mask with a score modifier, a row that sees no key."""
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 1, 6, 5, 4, torch.float32))
+    mask = attngen.mask("causal", align="bottom_right") & attngen.mask("softcap", cap=2.0)
+
+    def attention(q, k, v):
+        out, lse = attngen.attention(q, k, v, mask=mask, return_lse=True)
+        return out, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # the empty row's -inf
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Input #. requires gradient and is not a double")
+        assert torch.autograd.gradcheck(attention, (q, k, v), eps=1e-3, atol=2e-3, rtol=2e-2, nondet_tol=0.0)
 
 
 def test_finite_differences():
