@@ -88,18 +88,27 @@ def rows_to_check(q, k, mask, topk, scale=None):
     return ~near
 
 
+def check_output(out, q, k, v, mask=None, *, lse=None, topk=None, **kwargs):
+    """A call's output (and LSE) against the float64 reference, on all rows but a top-k call's near
+    ties (rows_to_check). kwargs (scale) go to the reference."""
+    ref, ref_lse = attngen.reference.attention(q, k, v, mask, return_lse=True, topk=topk, **kwargs)
+    rows = rows_to_check(q, k, mask, topk, kwargs.get("scale"))
+    assert not torch.isnan(out).any(), "NaN in the output (or an element left unwritten)"
+    if lse is None:
+        assert_close(out[rows], ref[rows], q.dtype)
+    else:
+        assert not torch.isnan(lse).any(), "NaN in the LSE (or an element left unwritten)"
+        assert_close(out[rows], ref[rows], q.dtype, lse[rows], ref_lse[rows])
+
+
 def check_forward(q, k, v, mask=None, config=None, *, topk=None, tuning=None, **kwargs):
     """The forward kernel (at `config`, default the dispatcher's) on poisoned outputs, against the
-    float64 reference, on all rows but a top-k call's near ties (rows_to_check); returns (out, lse).
-    kwargs (scale) go to both."""
+    float64 reference (check_output); returns (out, lse). kwargs (scale) go to both."""
     config = config or attngen.dispatch.choose(q, k, v, mask, topk=topk).config
     out, lse = poisoned_like(q)
     attention_forward(q, k, v, mask, return_lse=True, topk=topk, config=config, out=out, lse=lse, tuning=tuning,
                       **kwargs)
-    ref, ref_lse = attngen.reference.attention(q, k, v, mask, return_lse=True, topk=topk, **kwargs)
-    rows = rows_to_check(q, k, mask, topk, kwargs.get("scale"))
-    assert not (torch.isnan(out).any() or torch.isnan(lse).any()), "NaN in the output or the LSE (or unwritten)"
-    assert_close(out[rows], ref[rows], q.dtype, lse[rows], ref_lse[rows])
+    check_output(out, q, k, v, mask, lse=lse, topk=topk, **kwargs)
     return out, lse
 
 

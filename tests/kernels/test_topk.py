@@ -23,7 +23,7 @@ from attngen.config import KernelConfig
 from attngen.kernels import forward, topk
 from attngen.kernels.launch import module_for
 from attngen.kernels.topk import Thresholds, TopkTuning
-from helpers import DEVICE, assert_close, check_forward, poisoned_like, rand_qkv, rows_to_check
+from helpers import DEVICE, check_forward, check_output, poisoned_like, rand_qkv, rows_to_check
 from masks_zoo import ZOO
 
 PATHS = {
@@ -75,10 +75,7 @@ def check_thresholds(q, k, v, mask, topk_, config, tuning=TopkTuning(), own=None
     buffers = run_keeping_buffers(thresholds, q, k)
     out, lse = poisoned_like(q)
     forward.forward_launch(q, k, v, out, lse, buffers[0], bound, structure, shape, 1.0, config, False)()
-    ref, ref_lse = attngen.reference.attention(q, k, v, mask, scale=1.0, return_lse=True, topk=topk_)
-    rows = rows_to_check(q, k, mask, topk_, scale=1.0)
-    assert not (torch.isnan(out).any() or torch.isnan(lse).any()), "NaN in the output or the LSE (or unwritten)"
-    assert_close(out[rows], ref[rows], q.dtype, lse[rows], ref_lse[rows])
+    check_output(out, q, k, v, mask, lse=lse, topk=topk_, scale=1.0)
     return buffers
 
 
@@ -346,9 +343,7 @@ def test_dispatcher_names_the_topk_variant():
     q, k, v = rand_qkv(1, 2, 2, 30, 400, 16, torch.float32)
     text = attngen.explain(q, k, v, mask="causal", topk=40)
     assert "variant causal(align='top_left') & topk(64)" in text
-    out = attngen.attention(q, k, v, mask="causal", topk=40)
-    rows = rows_to_check(q, k, "causal", 40)
-    assert_close(out[rows], attngen.reference.attention(q, k, v, mask="causal", topk=40)[rows], torch.float32)
+    check_output(attngen.attention(q, k, v, mask="causal", topk=40), q, k, v, "causal", topk=40)
 
 
 @pytest.mark.parametrize("topk_,error,message", [
