@@ -49,8 +49,9 @@ def topk_config(config: KernelConfig, forward: KernelConfig, device) -> tuple[Ke
 
 def takes_tma(config: KernelConfig, fwd_orient: bool, *tensors) -> bool:
     """Whether a call's streamed tiles load through tensor descriptors: where its config says so,
-    not for top-k calls at the threshold kernels' tiles (`fwd_orient`: they ran slower so at 64x64
-    on 4 warps when plain), and where the tensors' strides and base pointers fit (tma_eligible)."""
+    not for top-k calls at the threshold kernels' tiles (`fwd_orient`: plain calls at those 64x64
+    tiles on 4 warps ran slower with it), and where the tensors' strides and base pointers fit
+    (tma_eligible)."""
     return config.use_tma and not fwd_orient and tma_eligible(*tensors)
 
 
