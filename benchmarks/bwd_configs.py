@@ -22,7 +22,9 @@ config that fails to compile or run says why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from unittest import mock
 
 import torch
 import triton
@@ -76,9 +78,9 @@ def main() -> int:
         for text in args.configs.split(","):
             at_thresholds = text == "threshold"
             config = BACKWARD.default("sm90", d)[0] if at_thresholds else parse_config(text)
-            real_topk_config = backward_module.topk_config
-            if at_thresholds:  # topk_config's other choice, for the call's plan (built in prepare)
-                backward_module.topk_config = lambda c, f, device: (threshold_config(f, device, TopkTuning()), True)
+            # `threshold`: topk_config's other choice, for the call's plan (built in prepare)
+            choice = mock.patch.object(backward_module, "topk_config", lambda c, f, device: (
+                threshold_config(f, device, TopkTuning()), True)) if at_thresholds else contextlib.nullcontext()
             try:
                 if at_thresholds and (topk is None or args.nondeterministic):
                     raise ValueError("the config threshold is for top-k cases, deterministic")
@@ -86,16 +88,15 @@ def main() -> int:
                     run = lambda: BACKWARD.run(q, k, v, dout, mask, topk=topk, config=config,  # noqa: E731
                                                deterministic=False)
                 else:
-                    prepared = BACKWARD.prepare(q, k, v, dout, mask, topk=topk, config=config)
+                    with choice:
+                        prepared = BACKWARD.prepare(q, k, v, dout, mask, topk=topk, config=config)
                     run = lambda: prepared(q, k, v, dout)  # noqa: E731
-                backward_module.topk_config = real_topk_config
                 grads = run()
                 error = max(float((x[:1, :2].double() - r).norm() / r.norm()) for x, r in zip(grads, refs))
                 ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
                 print(f"| {mask_name} | {text} | {ms:.3f} | {ms - fwd_ms:.3f} | {flops / ms / 1e9:.0f} | {error:.1e} |",
                       flush=True)
             except Exception as e:  # out of resources and the like
-                backward_module.topk_config = real_topk_config
                 print(f"| {mask_name} | {text} | n/a | | | {type(e).__name__}: {str(e).splitlines()[0][:100]} |",
                       flush=True)
     return 0
