@@ -195,8 +195,12 @@ def explain(q, k, v, mask=None, *, topk=None) -> str:
         lines.append(f"{choice.kernel} kernel, variant {choice.variant}; {q.dtype}; config {choice.config}; "
                      f"from {choice.source}")
         if kernel == "bwd" and check_topk(topk, k.shape[-2]):
-            config, fwd_orient = topk_config(choice.config, choose(q, k, v, mask, topk=topk).config, q.device)
+            config, fwd_orient = topk_config(choice.config, choose(q, k, v, mask, topk=topk).config, q.device,
+                                             q.shape[-1], q.element_size())
             if fwd_orient:
                 lines[-1] += (f"; a top-k call's backward runs at the threshold kernels' config {config}, the "
                               "scores computed queries first (kernels.backward.topk_config)")
+            elif config != choice.config:
+                lines[-1] += (f"; a top-k call's backward runs at {config}, tiles at least 32 queries wide "
+                              "(kernels.backward.topk_config)")
     return "\n".join(lines)

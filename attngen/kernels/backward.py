@@ -12,11 +12,12 @@ Reading order: the tiles of a config, then `backward`, which the autograd Functi
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from .. import masks as masks_
-from ..config import KernelConfig, block_d_for
+from ..config import KernelConfig, block_d_for, shared_memory_limit
 from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, maker, mask_args, module_for,
                      structure_args, tensor_args, tma_eligible)
 from .topk import TopkTuning, any_tile, threshold_config
@@ -32,19 +33,34 @@ def tiles(config: KernelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
     return (config.block_m, config.block_n), (config.block_n, config.block_m)
 
 
-def topk_config(config: KernelConfig, forward: KernelConfig, device) -> tuple[KernelConfig, bool]:
+def topk_config(config: KernelConfig, forward: KernelConfig, device, head_dim: int,
+                elem_bytes: int) -> tuple[KernelConfig, bool]:
     """(the config a top-k call's backward kernels run at, whether they compute the scores in the
     forward's orientation) for a call whose backward would run at `config` and whose forward ran at
     `forward`. Every score must come out bit for bit as the forward and the threshold kernels saw
     it. Where every kernel's score dot computes a score the same way at any tiles and in either
     orientation (topk.any_tile: Hopper's wgmma; both backward dots have block_n rows), the backward
-    runs at `config`, like any other call. Elsewhere both of its kernels run at the threshold
-    kernels' config (topk.threshold_config), tiles of the forward's (block_m, block_n), queries
-    first: the dK/dV programs transpose their scores."""
-    if (any_tile(forward.block_m, forward.num_warps, device) and any_tile(config.block_n, config.num_warps, device)
-            and config.block_m in (32, 64, 128)):
-        return config, False
-    return threshold_config(forward, device, TopkTuning()), True
+    runs at `config`, like any other call, its block_m at least 32 (the narrowest tile that rule was
+    checked for). Elsewhere both of its kernels run at the threshold kernels' config
+    (topk.threshold_config), tiles of the forward's (block_m, block_n), queries first: the dK/dV
+    programs transpose their scores through shared memory (a block_m x block_n fp32 tile), and as
+    many pipeline stages come off as the device's shared memory needs (head_dim 256 does); where
+    even one stage is too many, a ValueError says so."""
+    if any_tile(forward.block_m, forward.num_warps, device) and any_tile(config.block_n, config.num_warps, device):
+        if config.block_m < 32:
+            config = replace(config, block_m=32)
+        if config.block_m <= 128:
+            return config, False
+    own = threshold_config(forward, device, TopkTuning())
+    limit = shared_memory_limit(device)
+    need = lambda c: c.shared_memory(head_dim, elem_bytes, "bwd") + 4 * c.block_m * c.block_n  # noqa: E731
+    while limit is not None and own.num_stages > 1 and need(own) > limit:
+        own = replace(own, num_stages=own.num_stages - 1)
+    if limit is not None and need(own) > limit:
+        raise ValueError(f"a top-k call's backward at head_dim={head_dim} with {elem_bytes}-byte inputs needs "
+                         f"about {need(own)} bytes of shared memory at the threshold kernels' tiles {own}; "
+                         f"this GPU has {limit}: use bfloat16 or float16 inputs")
+    return own, True
 
 
 def takes_tma(config: KernelConfig, fwd_orient: bool, *tensors) -> bool:
@@ -88,7 +104,7 @@ class BackwardPlan:
         acc = None if deterministic else dq_buffer(q)
         fwd_orient = False
         if thr is not None:
-            config, fwd_orient = topk_config(config, forward, q.device)
+            config, fwd_orient = topk_config(config, forward, q.device, shape.head_dim, q.element_size())
         preprocess, grads = backward_launches(q, k, v, out, lse, thr, dout, None, dq, dk, dv, mask, shape, scale,
                                               config, fwd_orient, dropout_p, dq_acc=acc)
         # variant 1 loads through tensor descriptors: where the strides fit, for calls whose base

@@ -127,7 +127,7 @@ def test_topk_at_the_backwards_own_tiles(mask, deterministic, monkeypatch):
     config = KernelConfig(32, 16, 4, 1)  # dK/dV: 16-key blocks, 32-query tiles; dQ: 16-query blocks
     chosen = []
 
-    def own_config(bwd, fwd, device):
+    def own_config(bwd, fwd, *device_and_sizes):
         chosen.append(fwd)
         return config, False
 
@@ -139,6 +139,25 @@ def test_topk_at_the_backwards_own_tiles(mask, deterministic, monkeypatch):
     assert chosen and chosen[0].block_n != config.block_n
 
 
+def test_topk_config_keeps_32_query_columns_and_fits_shared_memory(monkeypatch):
+    """backward.topk_config on a GPU like an H100 (232448 bytes of shared memory a program): on
+    Hopper (any_tile) the backward's own config, 16-query tiles widened to the 32 the rule was
+    checked for; elsewhere the threshold kernels' tiles, stages taken off until the shared memory
+    (the transposed scores included) fits, and a clear error where even one stage does not."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(backward_module, "shared_memory_limit", lambda device: 232448)
+    monkeypatch.setattr(backward_module, "any_tile", lambda rows, warps, device: rows in (64, 128) and warps in (4, 8))
+    fwd = KernelConfig(64, 64, 4, 3, use_tma=True)
+    topk_config = backward_module.topk_config
+    assert topk_config(KernelConfig(16, 64, 4, 2), fwd, cpu, 256, 2) == (KernelConfig(32, 64, 4, 2), False)
+    assert topk_config(KernelConfig(64, 128, 8, 3), fwd, cpu, 128, 2) == (KernelConfig(64, 128, 8, 3), False)
+    monkeypatch.setattr(backward_module, "any_tile", lambda rows, warps, device: False)
+    assert topk_config(KernelConfig(16, 64, 4, 2), fwd, cpu, 128, 2) == (fwd, True)
+    assert topk_config(KernelConfig(16, 64, 4, 2), fwd, cpu, 256, 2) == (KernelConfig(64, 64, 4, 2, True), True)
+    with pytest.raises(ValueError, match="head_dim=256 with 4-byte inputs needs about 278528 bytes"):
+        topk_config(KernelConfig(16, 64, 4, 2), fwd, cpu, 256, 4)
+
+
 def test_explain_names_the_config_a_topk_backward_runs_at():
     """Off Hopper a top-k call's backward runs at the threshold kernels' config (under the
     interpreter the forward's, which they share), whatever the dispatcher chose: explain says so."""
@@ -147,7 +166,7 @@ def test_explain_names_the_config_a_topk_backward_runs_at():
     text = attngen.explain(q, k, v, mask="causal", topk=5)
     fwd = attngen.dispatch.choose(q, k, v, "causal", topk=5).config
     config, fwd_orient = backward_module.topk_config(attngen.dispatch.choose(q, k, v, "causal", topk=5, kernel="bwd")
-                                                     .config, fwd, q.device)
+                                                     .config, fwd, q.device, 16, 4)
     assert fwd_orient or DEVICE == "cuda"
     want = f"a top-k call's backward runs at the threshold kernels' config {config}"
     assert (want in text) == fwd_orient, text

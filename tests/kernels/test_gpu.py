@@ -120,8 +120,8 @@ def _score_tile(Q, K, S, kv_len, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COL
 
 @pytest.mark.parametrize("dtype,precision,head_dim", [
     (torch.bfloat16, "tf32", 128), (torch.bfloat16, "tf32", 64), (torch.float16, "tf32", 128),
-    (torch.float32, "tf32", 128), (torch.float32, "ieee", 64)], ids=["bf16-128", "bf16-64", "fp16-128", "tf32-128",
-                                                                     "fp32-64"])
+    (torch.float32, "tf32", 128), (torch.float32, "ieee", 64), (torch.bfloat16, "tf32", 256)],
+    ids=["bf16-128", "bf16-64", "fp16-128", "tf32-128", "fp32-64", "bf16-256"])
 def test_scores_are_the_same_at_any_tile_and_orientation(dtype, precision, head_dim):
     """topk.any_tile's rule, on which a top-k call's kernels rely to keep the same keys (the
     threshold kernels at their own tiles, the backward at its own config, keys first): every dot
