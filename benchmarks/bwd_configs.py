@@ -79,7 +79,7 @@ def main() -> int:
             at_thresholds = text == "threshold"
             config = BACKWARD.default("sm90", d)[0] if at_thresholds else parse_config(text)
             # `threshold`: topk_config's other choice, for the call's plan (built in prepare)
-            choice = mock.patch.object(backward_module, "topk_config", lambda c, f, device: (
+            choice = mock.patch.object(backward_module, "topk_config", lambda c, f, device, *sizes: (
                 threshold_config(f, device, TopkTuning()), True)) if at_thresholds else contextlib.nullcontext()
             try:
                 if at_thresholds and (topk is None or args.nondeterministic):
