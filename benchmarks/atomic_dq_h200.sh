@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # deterministic=False's dQ by one bulk reduction through a tensor descriptor (commit df6cd0d), on
-# one H100 or H200 in one go (at most 6 min 10 s of steps), from the repository root with attngen
+# one H100 or H200 in one go (at most 7 min 10 s of steps), from the repository root with attngen
 # importable (PYTHONPATH=$PWD). Into OUT_DIR:
 #   tests.txt       the backward's descriptor and atomic-dQ tests compiled (the bulk reduction
 #                   against the pointer path), and the any_tile premise at D 256
@@ -10,6 +10,8 @@
 #   deterministic.txt  the same masks at the deterministic default 64x128 w8 s3 and the masks'
 #                   64x64 w4 s2, in the same run
 #   training.{txt,json}  dense and causal against SDPA cuDNN and FlexAttention
+#   topk_masks.txt  top-k 64 with a sliding window and with documents at the masks' fallback 64x64 w4
+#                   s2 against 64x128 w8 s3 (which a masked top-k call's backward should take)
 # Usage: bash benchmarks/atomic_dq_h200.sh OUT_DIR
 set -uo pipefail
 out=${1:?usage: atomic_dq_h200.sh OUT_DIR}
@@ -22,7 +24,10 @@ step atomic 100 $py benchmarks/bwd_configs.py --masks none,causal,window512 --no
   --configs 64x128x8x3,64x128x8x3t,64x128x8x2t,64x64x4x2t,128x128x8x1t
 step deterministic 60 $py benchmarks/bwd_configs.py --masks none,causal,window512 --configs 64x128x8x3,64x64x4x2
 step training 110 $py benchmarks/training.py --cases none,causal --methods attngen,cudnn,flex --profile --out "$out"
+step topk_masks 60 $py benchmarks/bwd_configs.py --masks window512+topk64,document+topk64 \
+  --configs 64x64x4x2,64x128x8x3
 tail -n 3 "$out/tests.txt"
 tail -n 17 "$out/atomic.txt"
 tail -n 8 "$out/deterministic.txt"
 tail -n 12 "$out/training.txt"
+tail -n 6 "$out/topk_masks.txt"

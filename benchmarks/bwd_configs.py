@@ -3,7 +3,8 @@
     python benchmarks/bwd_configs.py [--shape 4,16,4096,128] [--masks none,causal] [--configs 32x128x4x3,...]
 
 --masks takes benchmarks/training.py's case names (none, causal, window512, document, prefix1024,
-sparse10, topk64, topk256): the same masks as there, so the figures of both scripts compare. A
+sparse10, topk64, topk256; a mask case with top-k as `window512+topk64`): the same masks as there,
+so the figures of both scripts compare. A
 top-k case's backward runs at the config where attngen.kernels.backward.topk_config allows it (on
 Hopper), and the config `threshold` times it at the threshold kernels' tiles in the forward's
 orientation, the other choice of topk_config.
@@ -67,7 +68,7 @@ def main() -> int:
         mask, _, _, topk = case_masks(mask_name, b, h, s, "cuda")
         if mask_name == "dropout":
             raise SystemExit(f"--masks: {mask_name!r} is not a mask; expected one of none, causal, window512, "
-                             "document, prefix1024, sparse10, topk64, topk256")
+                             "document, prefix1024, sparse10, topk64, topk256, or a mask case +topkK")
         if isinstance(mask, str):
             mask = attngen.masks.parse_spec(mask)
         refs = reference_grads(mask_name, q, k, v, dout)[1:]  # dQ, dK, dV of batch 0, heads 0-1

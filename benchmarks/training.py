@@ -59,6 +59,10 @@ def case_masks(name, b, h, s, device):
                 lambda b_, h_, q, kv: layout[0, h_, q // 128, kv // 128], None, None)
     if name.startswith("topk"):
         return None, None, None, int(name[4:])
+    if "+topk" in name:  # a mask case and top-k (benchmarks/bwd_configs.py's, e.g. window512+topk64)
+        base, topk = name.split("+topk")
+        mask, mask_mod, _, _ = case_masks(base, b, h, s, device)
+        return mask, mask_mod, None, int(topk)
     if name == "dropout":
         return None, None, None, None
     raise ValueError(f"unknown case {name!r}; known: {ALL_CASES}")
