@@ -53,13 +53,14 @@ def topk_config(config: KernelConfig, forward: KernelConfig, device, head_dim: i
             return config, False
     own = threshold_config(forward, device, TopkTuning())
     limit = shared_memory_limit(device)
-    need = lambda c: c.shared_memory(head_dim, elem_bytes, "bwd") + 4 * c.block_m * c.block_n  # noqa: E731
-    while limit is not None and own.num_stages > 1 and need(own) > limit:
-        own = replace(own, num_stages=own.num_stages - 1)
-    if limit is not None and need(own) > limit:
-        raise ValueError(f"a top-k call's backward at head_dim={head_dim} with {elem_bytes}-byte inputs needs "
-                         f"about {need(own)} bytes of shared memory at the threshold kernels' tiles {own}; "
-                         f"this GPU has {limit}: use bfloat16 or float16 inputs")
+    if limit is not None:
+        transposed = 4 * own.block_m * own.block_n  # the dK/dV programs' fp32 scores, whatever the stages
+        own, _ = own.fit_shared_memory(head_dim, elem_bytes, limit - transposed, "bwd")
+        need = own.shared_memory(head_dim, elem_bytes, "bwd") + transposed
+        if need > limit:
+            raise ValueError(f"a top-k call's backward at head_dim={head_dim} with {elem_bytes}-byte inputs needs "
+                             f"about {need} bytes of shared memory at the threshold kernels' tiles {own}; "
+                             f"this GPU has {limit}: use bfloat16 or float16 inputs")
     return own, True
 
 
