@@ -18,31 +18,28 @@ class KernelConfig:
     use_tma: bool = False
     warp_specialize: bool = False
 
-    def shared_memory(self, head_dim: int, elem_bytes: int, kernel: str = "fwd", atomic_dq: bool = False) -> int:
+    def shared_memory(self, head_dim: int, elem_bytes: int, kernel: str = "fwd") -> int:
         """Estimated shared memory in bytes of kernel family `kernel` at this config: the forward's
         pipelined K and V tiles plus its Q tile; the backward's pipelined pair of streamed tiles
-        (Q and dO in dK/dV, K and V in dQ: block_m rows each) plus the pair it holds (block_n rows),
-        and with `atomic_dq` (deterministic=False) and tensor descriptors the fp32 dQ tile its bulk
-        reduction reads;
+        (Q and dO in dK/dV, K and V in dQ: block_m rows each) plus the pair it holds (block_n rows);
         the decode kernel's pipelined K and V tiles plus a query tile of at most 128 rows (its block_m
         is the split rule's floor, not a tile)."""
         block_d = block_d_for(head_dim)
         stages = max(1, self.num_stages)
         if kernel == "bwd":
-            staged_dq = 4 * self.block_m * block_d if atomic_dq and self.use_tma else 0
-            return 2 * block_d * elem_bytes * (self.block_m * stages + self.block_n) + staged_dq
+            return 2 * block_d * elem_bytes * (self.block_m * stages + self.block_n)
         if kernel == "decode":
             return 2 * self.block_n * block_d * elem_bytes * stages + 128 * block_d * elem_bytes
         return 2 * self.block_n * block_d * elem_bytes * stages + self.block_m * block_d * elem_bytes
 
     def fit_shared_memory(self, head_dim: int, elem_bytes: int, smem_limit: int | None,
-                          kernel: str = "fwd", atomic_dq: bool = False) -> tuple[KernelConfig, str]:
+                          kernel: str = "fwd") -> tuple[KernelConfig, str]:
         """This config with as many fewer pipeline stages as its estimated shared memory needs to fit
         `smem_limit` bytes (a row chosen for 16-bit inputs, run by an fp32 call), and a note saying
         so; unchanged where it fits, at one stage, or without a limit (the interpreter)."""
         config = self
         while (smem_limit is not None and config.num_stages > 1
-               and config.shared_memory(head_dim, elem_bytes, kernel, atomic_dq) > smem_limit):
+               and config.shared_memory(head_dim, elem_bytes, kernel) > smem_limit):
             config = replace(config, num_stages=config.num_stages - 1)
         if config == self:
             return self, ""

@@ -156,8 +156,7 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
         config, note = family.fit_wide(config, wide)
         if note:
             source += f"; {note}"
-    config, note = config.fit_shared_memory(shape.head_dim, q.element_size(), smem_limit(q.device), family.name,
-                                            atomic_dq)
+    config, note = config.fit_shared_memory(shape.head_dim, q.element_size(), smem_limit(q.device), family.name)
     if note:
         source += f"; {note}"
     choice = _choices.put(cache_key, Choice(config, source, variant, family.name), generation)
