@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 import triton
 
-from bwd_configs import parse_config
+from bwd_configs import inputs, parse_config
 from training import case_masks, reference_grads
 
 import attngen
@@ -32,11 +31,8 @@ def main() -> int:
     p.add_argument("--masks", default="document,sparse10,window512,prefix1024")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     args = p.parse_args()
-    b, h, s, d = (int(x) for x in args.shape.split(","))
-    g = torch.Generator(device="cuda").manual_seed(99)
-    q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
-          f"B={b} H={h} S={s} D={d}")
+    (b, h, s, d), (q, k, v, dout) = inputs(args.shape)
+    print()
     print("| mask | config | fwd ms | TFLOP/s | max rel. error |")
     print("|---|---|---|---|---|")
     for mask_name in args.masks.split(","):
