@@ -49,14 +49,14 @@ def parse_config(text: str) -> KernelConfig:
     return KernelConfig(bm, bn, warps, stages, use_tma=tma)
 
 
-def inputs(shape: str):
-    """(B, H, S, D) and bf16 q, k, v, dout of the --shape text (a fixed seed), after a line naming the GPU
-    and versions."""
+def inputs(shape: str, note: str = ""):
+    """(B, H, S, D) and bf16 q, k, v, dout of the --shape text (a fixed seed), after a line naming the GPU,
+    the versions, the shape and `note`."""
     b, h, s, d = (int(x) for x in shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(99)
     q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
-          f"B={b} H={h} S={s} D={d}", end="")
+          f"B={b} H={h} S={s} D={d}{note}")
     return (b, h, s, d), (q, k, v, dout)
 
 
@@ -68,8 +68,7 @@ def main() -> int:
     p.add_argument("--nondeterministic", action="store_true",
                    help="time the backward with deterministic=False (dQ added atomically by the dK/dV programs)")
     args = p.parse_args()
-    (b, h, s, d), (q, k, v, dout) = inputs(args.shape)
-    print(f", deterministic={not args.nondeterministic}")
+    (b, h, s, d), (q, k, v, dout) = inputs(args.shape, f", deterministic={not args.nondeterministic}")
     print("| mask | config | fwd+bwd ms | bwd ms (less the forward) | TFLOP/s fwd+bwd | max rel. error |")
     print("|---|---|---|---|---|---|")
     for mask_name in args.masks.split(","):

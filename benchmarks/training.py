@@ -115,16 +115,21 @@ def methods(name, q, k, v, flex, scale):
     return out
 
 
-def reference_grads(name, q, k, v, dout, keep=None):
-    """Float64 output and gradients on batch 0, heads 0-1."""
+def reference_output(name, q, k, v):
+    """((q, k, v) of batch 0, heads 0-1 in float64, requiring grad; the float64 output on them)."""
     mask, _, _, topk = case_masks(name, 1, 2, q.shape[2], q.device)
     if name == "sparse10":  # the layout of heads 0-1
         layout = attngen.layouts.random(q.shape[2], q.shape[2], (128, 128), density=0.1, seed=7, heads=q.shape[1],
                                         device=q.device)[:, :2]
         mask = attngen.block_sparse(layout, (128, 128))
-    q64, k64, v64 = (t.detach()[:1, :2].double().requires_grad_() for t in (q, k, v))
-    out = attngen.reference.attention(q64, k64, v64, mask=mask, topk=topk)
-    return [out.detach(), *torch.autograd.grad(out, (q64, k64, v64), dout[:1, :2].double())]
+    inputs = tuple(t.detach()[:1, :2].double().requires_grad_() for t in (q, k, v))
+    return inputs, attngen.reference.attention(*inputs, mask=mask, topk=topk)
+
+
+def reference_grads(name, q, k, v, dout):
+    """Float64 output and gradients on batch 0, heads 0-1."""
+    inputs, out = reference_output(name, q, k, v)
+    return [out.detach(), *torch.autograd.grad(out, inputs, dout[:1, :2].double())]
 
 
 def step_of(fn, q, k, v, dout):
