@@ -18,12 +18,7 @@ start "$out"
 
 step tests_gpu 90 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. \
   -c ../pyproject.toml -n 8 kernels/test_gpu.py -k 'any_tile or topk'"
-# the gpu-marked tests on two workers: on eight, their float32 references at B=4 H=16 S=4096 ran an
-# 80 GB H100 out of memory (run 143)
-step tests 60 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
-  -n 16 -m 'not gpu' kernels/test_backward.py"
-step tests_gpu_marked 150 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. \
-  -c ../pyproject.toml -n 2 -m gpu kernels/test_backward.py"
+backward_tests
 step bwd_topk 100 $py benchmarks/bwd_configs.py --masks topk64,topk256 \
   --configs threshold,64x128x8x3,64x128x8x3t,64x64x4x3,128x128x8x2
 step training 130 $py benchmarks/training.py --cases none,causal,topk64,dropout --profile --out "$out"

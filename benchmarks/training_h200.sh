@@ -15,12 +15,7 @@ out=${1:?usage: training_h200.sh OUT_DIR}
 source "$(dirname "$0")/steps.sh"
 start "$out"
 
-# the gpu-marked tests on two workers: on eight, their float32 references at B=4 H=16 S=4096 ran an
-# 80 GB H100 out of memory (run 143)
-step tests 60 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. -c ../pyproject.toml \
-  -n 16 -m 'not gpu' kernels/test_backward.py"
-step tests_gpu_marked 150 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. \
-  -c ../pyproject.toml -n 2 -m gpu kernels/test_backward.py"
+backward_tests
 step training 150 $py benchmarks/training.py --cases none,causal,window512,document,dropout --profile --out "$out"
 step varlen 60 $py benchmarks/varlen.py --out "$out"
 step bwd_tma 60 $py benchmarks/bwd_configs.py --masks none,causal,window512 \
