@@ -43,10 +43,12 @@ DEFAULT_CONFIGS = "32x128x4x3,32x128x4x2,64x128x8x2,32x64x4x3,64x64x4x2,16x128x4
 
 
 def parse_config(text: str) -> KernelConfig:
-    """BLOCK_M x BLOCK_N x warps x stages, a trailing `t` for tensor-descriptor (TMA) loads: 64x64x4x2t."""
-    tma = text.endswith("t")
-    bm, bn, warps, stages = (int(x) for x in text.rstrip("t").split("x"))
-    return KernelConfig(bm, bn, warps, stages, use_tma=tma)
+    """BLOCK_M x BLOCK_N x warps x stages, then `t` for tensor-descriptor (TMA) loads and `w` for a
+    warp-specialized key loop (the forward's; with `t`): 64x64x4x2t, 128x128x4x2tw."""
+    ws = text.endswith("tw")
+    tma = ws or text.endswith("t")
+    bm, bn, warps, stages = (int(x) for x in text.rstrip("tw").split("x"))
+    return KernelConfig(bm, bn, warps, stages, use_tma=tma, warp_specialize=ws)
 
 
 def inputs(shape: str, note: str = ""):

@@ -2,11 +2,11 @@
 
     python benchmarks/fwd_configs.py [--shape 4,16,4096,128] [--masks document,sparse10] [--configs 128x64x4x2t,...]
 
-A config is BLOCK_M x BLOCK_N x warps x stages, a trailing `t` for tensor-descriptor loads (as in
-bwd_configs.py). For each mask and config: the forward checked against the float64 reference on batch
-0, heads 0-1, then timed (triton.testing.do_bench median) with its launch prepared once, as the tuner
-times it. The first line of each mask is the sm90 fallback the dispatcher gives that mask. A config
-that fails to compile or run says why.
+A config is BLOCK_M x BLOCK_N x warps x stages, then `t` for tensor-descriptor loads and `w` for a
+warp-specialized key loop (bwd_configs.parse_config). For each mask and config: the forward
+checked against the float64 reference on batch 0, heads 0-1, then timed (triton.testing.do_bench
+median) with its launch prepared once, as the tuner times it. The first line of each mask is the
+sm90 fallback the dispatcher gives that mask. A config that fails to compile or run says why.
 """
 
 from __future__ import annotations

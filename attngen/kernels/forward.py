@@ -45,7 +45,8 @@ def forward_launch(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructu
                 seed=seed, dropout_p=dropout_p, **mask_args(bound))
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm,
                    BLOCK_N=structure.block_size[1], DOT_PRECISION=dot_precision(q.dtype),
-                   CONTIGUOUS=structure.contiguous, STORE_LSE=lse is not None, USE_TMA=use_tma,
+                   CONTIGUOUS=structure.contiguous, LISTS=2 if structure.partial else 1, STORE_LSE=lse is not None,
+                   USE_TMA=use_tma,
                    WARP_SPECIALIZE=config.warp_specialize, TOPK=thr is not None, DROPOUT=dropout_p > 0,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     return Launch(kernel, (math.ceil(shape.q_len / bm), shape.batch * shape.heads), args, options)

@@ -39,6 +39,10 @@ class BlockStructure:
     # through a range instead of reading indices. False when unknown (not checked, to avoid a sync):
     # the backward and top-k kernels then read each list's ends and step through the lists that are runs
     contiguous: bool = False
+    # some tile is shown in part (or bounds-checked). False only where checked (as `contiguous` is): the
+    # forward then compiles no loop over the partial lists, which lets triton 3.6 warp-specialize its
+    # one loop (a kernel with two key loops fails in its NVGPUWarpSpecialization pass)
+    partial: bool = True
 
     @property
     def classes(self) -> torch.Tensor:
@@ -66,12 +70,16 @@ def _runs(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def structure_from_classes(classes: torch.Tensor, block_size, check_contiguous: bool = False) -> BlockStructure:
-    """The block lists of a class tensor; `check_contiguous` costs one device sync."""
+    """The block lists of a class tensor; `check_contiguous` (which also checks `partial`) costs one
+    device sync."""
     full_num, full_idx = _lists(classes == FULL)
     partial_num, partial_idx = _lists(classes == PARTIAL)
-    contiguous = check_contiguous and bool(_runs(full_num, full_idx) & _runs(partial_num, partial_idx))
+    contiguous, partial = False, True
+    if check_contiguous:
+        runs = _runs(full_num, full_idx) & _runs(partial_num, partial_idx)
+        contiguous, partial = torch.stack([runs, (partial_num > 0).any()]).tolist()
     return BlockStructure(tuple(block_size), full_num.contiguous(), full_idx.contiguous(),
-                          partial_num.contiguous(), partial_idx.contiguous(), contiguous)
+                          partial_num.contiguous(), partial_idx.contiguous(), contiguous, partial)
 
 
 _CHUNK_ELEMENTS = 1 << 26  # cap on the (rows x keys) booleans evaluated at once

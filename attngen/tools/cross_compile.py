@@ -5,7 +5,7 @@ did), so the CPU tests also compile the kernels for sm_90 with Triton's bundled 
 in a process of its own: the interpreter, once on, cannot compile.
 
     python -m attngen.tools.cross_compile topk BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) TOPK KV_LEN
-    python -m attngen.tools.cross_compile forward BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) MASK DROPOUT(0/1)
+    python -m attngen.tools.cross_compile forward BLOCK_M BLOCK_N WARPS STAGES TMA(0/1) MASK DROPOUT(0/1) [WS(0/1)]
     python -m attngen.tools.cross_compile backward BLOCK_M BLOCK_N WARPS STAGES MASK DROPOUT(0/1) [TMA(0/1) [ATOMIC_DQ(0/1) [TOPK(0/1/2)]]]
     python -m attngen.tools.cross_compile decode BLOCK_M BLOCK_N WARPS STAGES MASK PAGED(0/1) GROUP SQ
     python -m attngen.tools.cross_compile varlen MASK
@@ -16,8 +16,9 @@ prints `ok <kernel name> <shared memory bytes> <registers> <spill bytes> <SASS i
 every launch of a top-k call (its threshold kernels), of a forward call at that `fwd` config, of a backward call at that `bwd` config (MASK:
 a spec, `none` for dense), or of a decode call split over the keys at that `decode` config (its
 split and combine kernels; a paged cache of 16-row pages or a contiguous one; GROUP query heads per
-key/value head, SQ new tokens), built as for a CUDA tensor (B=1, H=2, Sq=Sk=64 for the backward,
-D=128, bf16). `varlen` compiles the forward,
+key/value head, SQ new tokens), built as for a CUDA tensor (B=1, H=2, Sq=Sk=256 for the forward,
+64 for the backward, D=128, bf16); with WS 1, then `partitions <kernel name> <N>`: the
+warp-specialized regions of its TTGIR (0 where the compiler made none). `varlen` compiles the forward,
 dK/dV and dQ launches of a varlen_attention call with MASK (a spec) and of the same packing as
 `document & MASK` on the packed view, at the sm_90 default configs, and prints
 `<varlen|document> <kernel name> <registers> <spill bytes> <SASS instructions>` for each (ptxas -v
@@ -134,18 +135,20 @@ def topk_launches(block_m: int, block_n: int, warps: int, stages: int, tma: bool
     return out
 
 
-def forward_launches(block_m: int, block_n: int, warps: int, stages: int, tma: bool, mask: str, dropout: bool):
-    """The launch of a forward call (storing the LSE, as under autograd) at that `fwd` config."""
+def forward_launches(block_m: int, block_n: int, warps: int, stages: int, tma: bool, mask: str, dropout: bool,
+                     warp_specialize: bool = False):
+    """The launch of a forward call (storing the LSE, as under autograd) at that `fwd` config, on
+    Sq = Sk = 256 (a whole number of key blocks: without a mask, no tile is partial)."""
     from ..checks import check_qkv
     from ..config import KernelConfig
     from ..kernels.forward import blocks, forward_launch
     from ..masks import parse_spec
 
-    config = KernelConfig(block_m, block_n, warps, stages, use_tma=tma)
-    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    config = KernelConfig(block_m, block_n, warps, stages, use_tma=tma, warp_specialize=warp_specialize)
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     shape = check_qkv(q, q, q, kernel=False)
     bound, structure = blocks(q, parse_spec(mask), shape, config)
-    return [forward_launch(q, q, q, q, torch.zeros(1, 2, 64), None, bound, structure, shape, 128 ** -0.5, config,
+    return [forward_launch(q, q, q, q, torch.zeros(1, 2, 256), None, bound, structure, shape, 128 ** -0.5, config,
                            tma, dropout_p=0.1 if dropout else 0.0, seed=1)]
 
 
@@ -229,13 +232,14 @@ def main(argv: list[str]) -> int:
     show_loops = bool(argv) and argv[0] == "--loops"
     if show_loops:
         argv = argv[1:]
+    warp_specialize = bool(argv) and argv[0] == "forward" and argv[8:] == ["1"]
     if argv and argv[0] == "topk" and len(argv) == 8:
         bm, bn, warps, stages, tma, topk, kv_len = (int(x) for x in argv[1:])
         launches = topk_launches(bm, bn, warps, stages, bool(tma), topk, kv_len)
-    elif argv and argv[0] == "forward" and len(argv) == 8:
+    elif argv and argv[0] == "forward" and 8 <= len(argv) <= 9:
         bm, bn, warps, stages, tma = (int(x) for x in argv[1:6])
         launches = [(launch, {}) for launch in forward_launches(bm, bn, warps, stages, bool(tma), argv[6],
-                                                                argv[7] == "1")]
+                                                                argv[7] == "1", warp_specialize)]
     elif argv and argv[0] == "backward" and 7 <= len(argv) <= 10:
         bm, bn, warps, stages = (int(x) for x in argv[1:5])
         flags = [x == "1" for x in argv[6:9]] + [False] * (9 - min(len(argv), 9))
@@ -257,6 +261,9 @@ def main(argv: list[str]) -> int:
     for launch, options in launches:
         compiled = compile_launch(launch, **options)
         print("ok", compiled.metadata.name, compiled.metadata.shared, *usage(compiled), flush=True)
+        if warp_specialize:
+            print("partitions", compiled.metadata.name, compiled.asm["ttgir"].count("ttg.warp_specialize("),
+                  flush=True)
         if show_loops:
             for i, (count, ops) in enumerate(loops(assemble(compiled)[1])):
                 print("loop", compiled.metadata.name, i, count, " ".join(f"{op}={n}" for op, n in ops.most_common()),

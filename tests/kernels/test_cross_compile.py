@@ -115,3 +115,13 @@ def test_dropout_costs_no_byte_permutes_or_multiplies_per_weight(tmp_path, kerne
     plain, dropped = counts
     assert dropped["PRMT"] <= plain["PRMT"] + 2, (plain, dropped)
     assert dropped["FMUL"] <= plain["FMUL"] + 8, (plain, dropped)
+
+
+def test_dense_forward_warp_specializes_with_one_key_loop(tmp_path):
+    """triton 3.6 warp-specializes a kernel's key loop only where it is the kernel's one loop (with a
+    second loop over the partial lists, before or after, its NVGPUWarpSpecialization pass fails):
+    the forward of a call without partial tiles (dense, whole key blocks) compiles that loop alone
+    (LISTS=1) and gets its partitions at the configs the tuner tries."""
+    result = cross_compile(tmp_path, "forward", 128, 128, 4, 2, 1, "none", 0, 1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "partitions attention_fwd 1" in result.stdout.splitlines(), result.stdout

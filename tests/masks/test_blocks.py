@@ -21,6 +21,20 @@ def test_causal_on_band_split():
     assert s.contiguous
     dense = masks_.block_structure(None, 100, 100, (64, 64), device=DEVICE)
     assert dense.full_num.flatten().tolist() == [1, 1] and dense.partial_num.flatten().tolist() == [1, 1]
+    assert s.partial and dense.partial
+
+
+def test_partial_says_whether_any_tile_is_partial():
+    """`partial` is False only where checked: the forward then compiles one key loop (LISTS=1)."""
+    assert not masks_.block_structure(None, 100, 128, (64, 64), device=DEVICE).partial  # ragged rows only
+    assert masks_.block_structure(None, 128, 100, (64, 64), device=DEVICE).partial  # a ragged key block
+    window = attngen.mask("sliding_window", window=64)  # causal: the diagonal tiles are partial
+    assert window.block_structure(256, 256, (64, 64), device=DEVICE).partial
+    ids = torch.zeros(1, 256, dtype=torch.int64, device=DEVICE)  # unchecked (a tensor mask): assumed partial
+    assert attngen.mask("document", doc_ids=ids).block_structure(256, 256, (64, 64), device=DEVICE).partial
+    classes = torch.tensor([[[[2, 0, 2], [0, 2, 2]]]], dtype=torch.int8)
+    assert not blocks_.structure_from_classes(classes, (16, 16), check_contiguous=True).partial
+    assert blocks_.structure_from_classes(classes, (16, 16)).partial
 
 
 def brute_force_classes(m, b, h, sq, sk, bm, bn):
