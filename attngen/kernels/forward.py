@@ -43,12 +43,14 @@ def forward_launch(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructu
                 stride_lb=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
                 THR=thr if thr is not None else out, **structure_args(structure), **dims(shape, scale),
                 seed=seed, dropout_p=dropout_p, **mask_args(bound))
+    # the loop over the partial lists only where some tile is partial; triton 3.6 warp-specializes a
+    # kernel's one key loop and fails on a kernel with two, so warp_specialize holds only without it
+    lists = 2 if structure.partial else 1
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm,
                    BLOCK_N=structure.block_size[1], DOT_PRECISION=dot_precision(q.dtype),
-                   CONTIGUOUS=structure.contiguous, LISTS=2 if structure.partial else 1, STORE_LSE=lse is not None,
-                   USE_TMA=use_tma,
-                   WARP_SPECIALIZE=config.warp_specialize, TOPK=thr is not None, DROPOUT=dropout_p > 0,
-                   num_warps=config.num_warps, num_stages=config.num_stages)
+                   CONTIGUOUS=structure.contiguous, LISTS=lists, STORE_LSE=lse is not None, USE_TMA=use_tma,
+                   WARP_SPECIALIZE=config.warp_specialize and lists == 1, TOPK=thr is not None,
+                   DROPOUT=dropout_p > 0, num_warps=config.num_warps, num_stages=config.num_stages)
     return Launch(kernel, (math.ceil(shape.q_len / bm), shape.batch * shape.heads), args, options)
 
 

@@ -125,3 +125,12 @@ def test_dense_forward_warp_specializes_with_one_key_loop(tmp_path):
     result = cross_compile(tmp_path, "forward", 128, 128, 4, 2, 1, "none", 0, 1)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "partitions attention_fwd 1" in result.stdout.splitlines(), result.stdout
+
+
+def test_warp_specialize_is_dropped_where_the_forward_has_two_key_loops(tmp_path):
+    """A call with partial tiles (causal) keeps its loop over them, which triton 3.6 cannot
+    warp-specialize beside another: a warp-specialized config (a registry entry tuned on whole
+    blocks, a ragged call) still compiles, without partitions, instead of failing in the compiler."""
+    result = cross_compile(tmp_path, "forward", 128, 128, 4, 2, 1, "causal", 0, 1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "partitions attention_fwd 0" in result.stdout.splitlines(), result.stdout
