@@ -8,11 +8,8 @@
 # prefix 1024, block-sparse 10%).
 # Usage: bash benchmarks/ab_bwd.sh OUT_DIR OLD_TREE
 set -uo pipefail
-out=${1:?usage: ab_bwd.sh OUT_DIR OLD_TREE}
-old=$(cd "${2:?usage: ab_bwd.sh OUT_DIR OLD_TREE}" && pwd)
 source "$(dirname "$0")/steps.sh"
-start "$out"
-new=$PWD
+ab_start "${1:?usage: ab_bwd.sh OUT_DIR OLD_TREE}" "${2:?usage: ab_bwd.sh OUT_DIR OLD_TREE}"
 
 run() {  # TREE LABEL: both cases of one tree
   local tree=$1 label=$2

@@ -8,11 +8,8 @@
 # tests.txt.
 # Usage: bash benchmarks/ab_fwd.sh OUT_DIR OLD_TREE
 set -uo pipefail
-out=${1:?usage: ab_fwd.sh OUT_DIR OLD_TREE}
-old=$(cd "${2:?usage: ab_fwd.sh OUT_DIR OLD_TREE}" && pwd)
 source "$(dirname "$0")/steps.sh"
-start "$out"
-new=$PWD
+ab_start "${1:?usage: ab_fwd.sh OUT_DIR OLD_TREE}" "${2:?usage: ab_fwd.sh OUT_DIR OLD_TREE}"
 
 for round in "$new a.1" "$old b.1" "$old b.2" "$new a.2"; do
   set -- $round

@@ -1,7 +1,8 @@
 # Sourced by the *_h200.sh scripts: `start OUT_DIR` makes the folder and records the GPU;
 # `step NAME TIMEOUT_S COMMAND...` runs a command under a timeout, keeps its stdout and stderr in
 # OUT_DIR/NAME.txt, and appends its exit status and seconds to OUT_DIR/times.txt. `backward_tests`: the
-# steps tests and tests_gpu_marked, kernels/test_backward.py on the GPU.
+# steps tests and tests_gpu_marked, kernels/test_backward.py on the GPU. `ab_start OUT_DIR OLD_TREE`
+# (the ab_*.sh scripts): start OUT_DIR, and set `new` (this tree) and `old` (absolute paths).
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
@@ -26,4 +27,10 @@ backward_tests() {
     -c ../pyproject.toml -n 16 -m 'not gpu' kernels/test_backward.py"
   step tests_gpu_marked 150 bash -c "cd tests && $py -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=.. \
     -c ../pyproject.toml -n 2 -m gpu kernels/test_backward.py"
+}
+
+ab_start() {
+  old=$(cd "$2" && pwd) || exit 1
+  new=$PWD
+  start "$1"
 }
