@@ -62,6 +62,18 @@ def inputs(shape: str, note: str = ""):
     return (b, h, s, d), (q, k, v, dout)
 
 
+def checked_ms(run, refs) -> tuple[float, float]:
+    """(the largest relative error of run()'s outputs on batch 0, heads 0-1 against `refs`, float64;
+    run's median ms)."""
+    error = max(float((x[:1, :2].double() - r).norm() / r.norm()) for x, r in zip(run(), refs))
+    return error, triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
+
+
+def failure(e: Exception) -> str:
+    """A table cell for a config that did not compile or run."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="4,16,4096,128")
@@ -101,14 +113,11 @@ def main() -> int:
                     with choice:
                         prepared = BACKWARD.prepare(q, k, v, dout, mask, topk=topk, config=config)
                     run = lambda: prepared(q, k, v, dout)  # noqa: E731
-                grads = run()
-                error = max(float((x[:1, :2].double() - r).norm() / r.norm()) for x, r in zip(grads, refs))
-                ms = triton.testing.do_bench(run, warmup=50, rep=200, return_mode="median")
+                error, ms = checked_ms(run, refs)
                 print(f"| {mask_name} | {text} | {ms:.3f} | {ms - fwd_ms:.3f} | {flops / ms / 1e9:.0f} | {error:.1e} |",
                       flush=True)
             except Exception as e:  # out of resources and the like
-                print(f"| {mask_name} | {text} | n/a | | | {type(e).__name__}: {str(e).splitlines()[0][:100]} |",
-                      flush=True)
+                print(f"| {mask_name} | {text} | n/a | | | {failure(e)} |", flush=True)
     return 0
 
 

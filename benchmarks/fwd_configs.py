@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import triton
-
-from bwd_configs import inputs, parse_config
+from bwd_configs import checked_ms, failure, inputs, parse_config
 from training import case_masks, reference_output
 
 import attngen
@@ -38,21 +36,18 @@ def main() -> int:
         mask, _, _, topk = case_masks(mask_name, b, h, s, "cuda")
         if isinstance(mask, str):
             mask = attngen.masks.parse_spec(mask)
-        ref = reference_output(mask_name, q, k, v)[1].detach()  # the output of batch 0, heads 0-1
+        refs = [reference_output(mask_name, q, k, v)[1].detach()]  # the output of batch 0, heads 0-1
         flops = FORWARD.flops(mask, b, h, s, s, d, "cuda")
         fallback = FORWARD.default("sm90", d, FORWARD.table(None, q.device, mask=mask))[0]
         for text in ["fallback", *args.configs.split(",")]:
             config = fallback if text == "fallback" else parse_config(text)
             label = f"fallback {fallback}" if text == "fallback" else text
             try:
-                run = FORWARD.prepare(q, k, v, mask, topk=topk, config=config)
-                out = run(q, k, v)[0]
-                error = float((out[:1, :2].double() - ref).norm() / ref.norm())
-                ms = triton.testing.do_bench(lambda: run(q, k, v), warmup=50, rep=200, return_mode="median")
+                prepared = FORWARD.prepare(q, k, v, mask, topk=topk, config=config)
+                error, ms = checked_ms(lambda: prepared(q, k, v), refs)
                 print(f"| {mask_name} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {error:.1e} |", flush=True)
             except Exception as e:  # out of resources and the like
-                print(f"| {mask_name} | {label} | n/a | | {type(e).__name__}: {str(e).splitlines()[0][:100]} |",
-                      flush=True)
+                print(f"| {mask_name} | {label} | n/a | | {failure(e)} |", flush=True)
     return 0
 
 
