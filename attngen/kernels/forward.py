@@ -31,6 +31,13 @@ def blocks(q, mask, shape, config: KernelConfig):
     return bound, structure
 
 
+def key_lists(structure: masks_.BlockStructure) -> int:
+    """The key-block lists the kernel walks: 2 (full, then partial), or 1 where no tile of the call
+    is partial. triton 3.6 warp-specializes a kernel's one key loop and fails on a kernel with two,
+    so a config's warp_specialize holds only at 1."""
+    return 2 if structure.partial else 1
+
+
 def forward_launch(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructure, shape, scale: float,
                    config: KernelConfig, use_tma: bool, dropout_p: float = 0.0, seed: int = 0) -> Launch:
     """The attention launch of one call on checked inputs and preallocated outputs. `lse` None: no
@@ -43,9 +50,7 @@ def forward_launch(q, k, v, out, lse, thr, bound, structure: masks_.BlockStructu
                 stride_lb=lse.stride(0) if lse is not None else 0, stride_lh=lse.stride(1) if lse is not None else 0,
                 THR=thr if thr is not None else out, **structure_args(structure), **dims(shape, scale),
                 seed=seed, dropout_p=dropout_p, **mask_args(bound))
-    # the loop over the partial lists only where some tile is partial; triton 3.6 warp-specializes a
-    # kernel's one key loop and fails on a kernel with two, so warp_specialize holds only without it
-    lists = 2 if structure.partial else 1
+    lists = key_lists(structure)
     options = dict(HEAD_DIM=shape.head_dim, BLOCK_D=block_d_for(shape.head_dim), BLOCK_M=bm,
                    BLOCK_N=structure.block_size[1], DOT_PRECISION=dot_precision(q.dtype),
                    CONTIGUOUS=structure.contiguous, LISTS=lists, STORE_LSE=lse is not None, USE_TMA=use_tma,

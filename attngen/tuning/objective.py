@@ -31,6 +31,7 @@ from ..config import KernelConfig, shared_memory_limit
 from ..dtypes import BYTES as DTYPE_BYTES
 from ..dtypes import DTYPES
 from ..families import FAMILIES
+from ..kernels.forward import key_lists
 from ..reference import TOLERANCE
 from ..tools.timing import Rotation, input_sets, median_ms
 from . import registry as registry_
@@ -149,13 +150,13 @@ class Objective:
 
     def ineffective(self, config: KernelConfig) -> list[str]:
         """Why `config` would run as another config of the same study, so that it is not tried: the
-        forward drops warp_specialize on a call with partial tiles (kernels.forward.forward_launch)."""
+        forward drops warp_specialize where it walks two key-block lists (kernels.forward.key_lists)."""
         p = self.problem
         if p.kernel != "fwd" or not config.warp_specialize:
             return []
         structure = masks_.block_structure(self.mask, p.q_len, p.seq_len, (config.block_m, config.block_n),
                                            batch=p.batch, heads=p.heads, device=self.device)
-        if structure.partial:
+        if key_lists(structure) > 1:
             return ["warp_specialize applies only to calls without partial tiles (dense, whole key blocks): "
                     "this one would run without it"]
         return []
