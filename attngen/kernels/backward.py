@@ -20,6 +20,7 @@ from .. import masks as masks_
 from ..config import KernelConfig, block_d_for, shared_memory_limit
 from .launch import (Launch, aligned, dims, dot_precision, ensure_allocator, maker, mask_args, module_for,
                      structure_args, tensor_args, tma_eligible)
+from .forward import key_lists
 from .topk import TopkTuning, any_tile, threshold_config
 
 TEMPLATE = "backward"  # templates/kernels/backward.py.jinja
@@ -203,6 +204,7 @@ def backward_launches(q, k, v, out, lse, thr, dout, dlse, dq, dk, dv, mask, shap
                         stride_accm=dq_acc.stride(2) if dq_acc is not None else 0,
                         **structure_args(by_key, "DKV_"), **structure_args(by_query, "DQ_")),
                    dict(options, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
-                        CONTIGUOUS1=by_key.contiguous, CONTIGUOUS2=by_query.contiguous, FWD_ORIENT=fwd_orient,
+                        CONTIGUOUS1=by_key.contiguous, CONTIGUOUS2=by_query.contiguous, LISTS1=key_lists(by_key),
+                        LISTS2=key_lists(by_query), FWD_ORIENT=fwd_orient,
                         DQ_ATOMIC=dq_acc is not None))
     return [preprocess, grads]

@@ -121,7 +121,9 @@ def test_dense_forward_warp_specializes_with_one_key_loop(tmp_path):
     """triton 3.6 warp-specializes a kernel's key loop only where it is the kernel's one loop (with a
     second loop over the partial lists, before or after, its NVGPUWarpSpecialization pass fails):
     the forward of a call without partial tiles (dense, whole key blocks) compiles that loop alone
-    (LISTS=1) and gets its partitions at the configs the tuner tries."""
+    (LISTS=1) and gets its partitions. (Compiled only: run on an H100, triton 3.6's warp-specialized
+    loop hung or left outputs unwritten, so configs refuse warp_specialize; this keeps the tool's
+    check for a later triton.)"""
     result = cross_compile(tmp_path, "forward", 128, 128, 4, 2, 1, "none", 0, 1)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "partitions attention_fwd 1" in result.stdout.splitlines(), result.stdout
@@ -134,3 +136,13 @@ def test_warp_specialize_is_dropped_where_the_forward_has_two_key_loops(tmp_path
     result = cross_compile(tmp_path, "forward", 128, 128, 4, 2, 1, "causal", 0, 1)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "partitions attention_fwd 0" in result.stdout.splitlines(), result.stdout
+
+
+def test_dense_backward_compiles_no_loop_over_partial_blocks(tmp_path):
+    """Where no tile is partial (dense on whole blocks: the tool's 64 rows at 64x64), the dK/dV and dQ
+    programs compile only their loops over full blocks (LISTS1 = LISTS2 = 1): on an H100 the dense
+    backward ran 1.5% faster than with the unused partial loops compiled (run 150)."""
+    result = cross_compile(tmp_path, "--loops", "backward", 64, 64, 4, 2, "none", 0)
+    assert result.returncode == 0, result.stderr[-4000:]
+    loops = [line for line in result.stdout.splitlines() if line.startswith("loop attention_bwd ")]
+    assert len(loops) == 2, result.stdout
