@@ -58,6 +58,8 @@ class KernelConfig:
             out.append(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
         if self.num_stages < 1:
             out.append(f"num_stages={self.num_stages} must be >= 1")
+        if self.warp_specialize and kernel == "fwd":
+            out.append(f"warp_specialize is not supported: {WARP_SPECIALIZE_UNSUPPORTED}")
         if smem_limit is not None:
             need = self.shared_memory(head_dim, elem_bytes, kernel)
             if need > smem_limit:
@@ -72,6 +74,12 @@ class KernelConfig:
         `tma` and `ws` where tensor-descriptor loads and warp specialization are on)."""
         flags = (" tma" if self.use_tma else "") + (" ws" if self.warp_specialize else "")
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{flags}"
+
+
+# why the forward refuses warp_specialize (KernelConfig.problems)
+WARP_SPECIALIZE_UNSUPPORTED = (
+    "triton 3.6's warp-specialized key loop hung (4-d tensor descriptors) or left outputs unwritten "
+    "(2-d ones) on an H100 (docs/journal/backward.md, runs 148-150)")
 
 
 def block_d_for(head_dim: int) -> int:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from attngen.config import DEFAULTS, KernelConfig, arch_of, block_d_for, default_config, default_entry
+from attngen.config import (DEFAULTS, WARP_SPECIALIZE_UNSUPPORTED, KernelConfig, arch_of, block_d_for, default_config,
+                            default_entry)
 
 
 @pytest.mark.parametrize("config,text", [
@@ -30,6 +31,9 @@ def test_problems_are_found_before_compiling():
     assert big.shared_memory(100, 2) == need  # a head dim of 100 is padded to 128
     assert big.shared_memory(128, 2, kernel="bwd") == 2 * 128 * 2 * (128 * 4 + 128)
     assert [block_d_for(d) for d in (1, 16, 17, 80, 256)] == [16, 16, 32, 128, 256]
+    ws = KernelConfig(128, 128, 4, 2, use_tma=True, warp_specialize=True)
+    assert ws.problems(128, 2) == [f"warp_specialize is not supported: {WARP_SPECIALIZE_UNSUPPORTED}"]
+    assert ws.problems(128, 2, kernel="bwd") == []  # the backward ignores the flag
 
 
 def test_a_config_takes_fewer_stages_to_fit_shared_memory():

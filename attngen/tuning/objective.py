@@ -31,7 +31,6 @@ from ..config import KernelConfig, shared_memory_limit
 from ..dtypes import BYTES as DTYPE_BYTES
 from ..dtypes import DTYPES
 from ..families import FAMILIES
-from ..kernels.forward import key_lists
 from ..reference import TOLERANCE
 from ..tools.timing import Rotation, input_sets, median_ms
 from . import registry as registry_
@@ -148,19 +147,6 @@ class Objective:
         self.flops = family.flops(self.mask, problem.batch, problem.heads, problem.q_len, problem.seq_len,
                                   problem.head_dim, self.device)
 
-    def ineffective(self, config: KernelConfig) -> list[str]:
-        """Why `config` would run as another config of the same study, so that it is not tried: the
-        forward drops warp_specialize where it walks two key-block lists (kernels.forward.key_lists)."""
-        p = self.problem
-        if p.kernel != "fwd" or not config.warp_specialize:
-            return []
-        structure = masks_.block_structure(self.mask, p.q_len, p.seq_len, (config.block_m, config.block_n),
-                                           batch=p.batch, heads=p.heads, device=self.device)
-        if key_lists(structure) > 1:
-            return ["warp_specialize applies only to calls without partial tiles (dense, whole key blocks): "
-                    "this one would run without it"]
-        return []
-
     def runner(self, config: KernelConfig):
         """What a trial checks and times: the family's prepared run (its host-side work done once), else run."""
         family, topk = self.problem.family, self.problem.topk or None
@@ -185,7 +171,6 @@ class Objective:
         problems = config.problems(p.head_dim, DTYPE_BYTES[p.dtype], self.smem_limit, p.kernel)
         problems += self.space.violations(config, head_dim=p.head_dim, elem_bytes=DTYPE_BYTES[p.dtype],
                                           seq_len=p.seq_len, topk_pad=topk_pad(p.effective_topk))
-        problems += self.ineffective(config)
         if problems:
             return INVALID, "; ".join(problems), {}
         earlier = _measured(study, config, number)

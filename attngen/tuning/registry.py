@@ -227,7 +227,7 @@ def _config_problems(config, key: EntryKey) -> list[str]:
     if out:
         return out
     # the value rules (powers of two, warps, stages) are KernelConfig's, the one validity check
-    return KernelConfig(**config).problems(key.head_dim, DTYPE_BYTES[key.dtype])
+    return KernelConfig(**config).problems(key.head_dim, DTYPE_BYTES[key.dtype], kernel=key.kernel)
 
 
 def _is_iso_date(value) -> bool:

@@ -40,21 +40,6 @@ def test_bf16_ragged(q_len, kv_len):
         check_forward(q, k, v, mask)
 
 
-@pytest.mark.parametrize("config", [KernelConfig(128, 128, 4, 2, use_tma=True, warp_specialize=True),
-                                    KernelConfig(128, 64, 4, 2, use_tma=True, warp_specialize=True)],
-                         ids=["128x128x4x2tw", "128x64x4x2tw"])
-@pytest.mark.parametrize("seq", [2048, 2000])
-@pytest.mark.parametrize("mask", [None, "causal"])
-def test_warp_specialized_forward(config, seq, mask):
-    """Warp specialization on sm_90 (triton 3.6 returned NaN at some configs of an earlier kernel):
-    dense on whole key blocks runs the one warp-specialized loop; a ragged key block or causal's
-    partial tiles drop the flag (kernels.forward.forward_launch) and must still run."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("warp specialization is tried on Hopper only")
-    q, k, v = rand_qkv(2, 8, 2, seq, seq, 128, torch.bfloat16, device="cuda")
-    check_forward(q, k, v, mask, config)
-
-
 @pytest.mark.parametrize("head_dim", [128, 80])
 def test_new_lengths_in_a_bucket_do_not_recompile(head_dim):
     """Sequence lengths are run-time arguments: lengths sharing a registry bucket share the compiled kernel."""
