@@ -20,7 +20,7 @@ def user_registry(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNGEN_USER_REGISTRY", str(tmp_path / "user"))
     registry.write_entries(tmp_path / "user" / "interpreter.yaml",
                            [entry("causal(align='top_left')", 64, KernelConfig(32, 16, 4, 2, use_tma=True), 1.0),
-                            entry("none", 1024, KernelConfig(16, 64, 2, 1, warp_specialize=True))],
+                            entry("none", 1024, KernelConfig(16, 64, 2, 1))],
                            "interpreter", "Triton interpreter (CPU)")
     return tmp_path / "user" / "interpreter.yaml"
 
@@ -45,7 +45,7 @@ def test_show_prints_configs_as_attngen_shows_them(user_registry, capsys):
     # four significant digits
     assert causal.split() == [str(user_registry), "causal(align='top_left')", "fwd", "fp16", "32", "64", "1", "any", "32x16",
                               "w4", "s2", "tma", "0.5", "12.5", "1", "2.00x", "7", "2026-11-29"]
-    assert "  32x16 w4 s2 tma  " in causal and "  16x64 w2 s1 ws  " in dense and dense.split()[-4:-2] == ["n/a", "n/a"]
+    assert "  32x16 w4 s2 tma  " in causal and "  16x64 w2 s1  " in dense and dense.split()[-4:-2] == ["n/a", "n/a"]
 
 
 def test_show_keeps_small_figures_and_gpu_flags(user_registry, capsys):
