@@ -16,8 +16,8 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False
-    # the forward's key loop split into producer and consumer warps (with use_tma), where the call has
-    # no partial tile: triton 3.6 warp-specializes only a kernel's one loop (kernels.forward.forward_launch)
+    # the forward's key loop split into producer and consumer warps: refused for the forward
+    # (WARP_SPECIALIZE_UNSUPPORTED), ignored by the other families
     warp_specialize: bool = False
 
     def shared_memory(self, head_dim: int, elem_bytes: int, kernel: str = "fwd") -> int:

@@ -40,8 +40,7 @@ class BlockStructure:
     # the backward and top-k kernels then read each list's ends and step through the lists that are runs
     contiguous: bool = False
     # some tile is shown in part (or bounds-checked). False only where checked (as `contiguous` is): the
-    # forward then compiles no loop over the partial lists, which lets triton 3.6 warp-specialize its
-    # one loop (a kernel with two key loops fails in its NVGPUWarpSpecialization pass)
+    # forward and backward kernels then compile no loop over the partial lists (kernels.forward.key_lists)
     partial: bool = True
 
     @property
