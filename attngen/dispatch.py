@@ -4,6 +4,7 @@ For a kernel family (attngen.families) and a call, in order:
 1. the registry of the current GPU (`tuned/<gpu>.yaml`): the user's registry first (or the one
    chosen by `use_registry` / ATTNGEN_REGISTRY), then the one shipped with attngen; the exact
    entry, else the nearest sequence bucket of the same variant, dtype, head dim and GQA group;
+   only entries tuned on the family's current kernel revision count (attngen.families);
 2. the family's fallback row for the architecture (attngen/config.py, DEFAULTS);
 then the family fits the config to the call (the forward family cuts BLOCK_M for a short query;
 the backward takes wider tiles under dropout or the atomic dQ), and a config whose estimated shared
@@ -141,14 +142,22 @@ def choose_config(family: KernelFamily, q: torch.Tensor, shape, mask: masks_.Mas
     variant = registry_.variant_of(mask, topk)
     key = registry_.EntryKey(variant=variant, kernel=family.name, dtype=DTYPE_NAMES[q.dtype],
                              head_dim=shape.head_dim, seq_bucket=bucket, group=group, batch_bucket=batch)
-    found = None if paged else registry_for(gpu).lookup(key)
+    registry = registry_for(gpu)
+    found = None if paged else registry.lookup(key, family.revision)
     if found is not None:
         entry, reason = found
         config, source = entry.kernel_config(), f"registry: {reason}"
     else:
         config, row = family.default(arch_of(q.device), shape.head_dim, table)
-        source = (f"a paged cache takes the defaults (the registry's entries are tuned on contiguous caches); {row}"
-                  if paged else f"no registry entry for {gpu}; {row}")
+        if paged:
+            source = f"a paged cache takes the defaults (the registry's entries are tuned on contiguous caches); {row}"
+        elif others := registry.other_revisions(key, family.revision):
+            path, entry = others[0]
+            source = (f"no registry entry for {gpu} of {family.name} kernel revision {family.revision}: "
+                      f"{len(others)} of another revision (revision {entry.revision} in {path}) ignored, as "
+                      f"their timings were of other kernels (`attngen tune --kernel {family.name}` retunes); {row}")
+        else:
+            source = f"no registry entry for {gpu}; {row}"
     config, note = family.fit(config, shape.q_len)
     if note:
         source += f"; {note}"

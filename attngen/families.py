@@ -29,6 +29,10 @@ from .tuning import registry as registry_
 @dataclass(frozen=True)
 class KernelFamily:
     name: str  # the registry's `kernel` key and `attngen tune --kernel NAME`
+    # the kernels' revision: raised by a change to them that can change which config is fastest (their
+    # loops, loads, what a tile holds). The tuner records it in each registry entry, and the
+    # dispatcher ignores entries of another revision, whose timings were of another kernel.
+    revision: int
     doc: str
     templates: tuple[str, ...]  # the kernel templates it renders (templates/kernels/<name>.py.jinja)
     space: str  # its default search space (search_spaces/<space>.yaml) ...
@@ -108,6 +112,7 @@ def _forward_table(shape, device, paged: bool, mask) -> str:
 
 FORWARD = KernelFamily(
     name="fwd",
+    revision=1,
     doc="forward attention (FlashAttention-2 online softmax), top-k softmax included",
     templates=("forward", "topk"),
     space="forward",
@@ -184,6 +189,7 @@ def _backward_fit_wide(config: KernelConfig, why: str) -> tuple[KernelConfig, st
 
 BACKWARD = KernelFamily(
     name="bwd",
+    revision=2,  # 2: the loads and loops of 1034859 and 38393c7 (2026-12-05 to 07)
     doc="backward attention (dQ, dK, dV; FlashAttention-2 structure, deterministic)",
     templates=("backward",),
     space="backward",
@@ -220,6 +226,7 @@ def _decode_reference(q, k, v, mask, *, topk):
 
 DECODE = KernelFamily(
     name="decode",
+    revision=1,
     doc="decoding over a KV cache, contiguous or paged, its keys split across programs",
     templates=("decode",),
     space="decode",

@@ -14,10 +14,12 @@ from attngen.tuning import registry
 from helpers import DEVICE, TOLERANCE, assert_close, check_output, rand_qkv, rel_error
 
 
-def entry(seq_bucket, config, variant="none", kernel="fwd", head_dim=32):
+def entry(seq_bucket, config, variant="none", kernel="fwd", head_dim=32, revision=None):
+    """An entry of the kernel family's current revision unless `revision` says otherwise."""
     key = registry.EntryKey(variant=variant, kernel=kernel, dtype="fp16", head_dim=head_dim, seq_bucket=seq_bucket,
                             group=1)
-    return registry.Entry(key=key, config=config.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3,
+    revision = FAMILIES[kernel].revision if revision is None else revision
+    return registry.Entry(key=key, revision=revision, config=config.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3,
                           triton="3.6.0", torch="2.13.0", date="2026-11-29")
 
 
@@ -45,6 +47,27 @@ def test_dispatcher_prefers_registry_then_nearest_bucket_then_defaults(tmp_path,
     assert dispatch.choose(a, a, a) is dispatch.choose(q, q, q)
     out = attngen.attention(a, a, a)
     assert_close(out, attngen.reference.attention(a, a, a), torch.float16)
+
+
+def test_entries_of_another_kernel_revision_are_ignored(tmp_path, clean_dispatch):
+    """An entry's timings were of the kernels of its revision: after the kernels change, the
+    dispatcher runs the fallback and explain says why, until a retune."""
+    bwd = FAMILIES["bwd"]
+    tuned = KernelConfig(16, 16, 2, 1)
+    path = write(tmp_path, entry(256, tuned, revision=FAMILIES["fwd"].revision + 1),
+                 entry(256, tuned, kernel="bwd", revision=bwd.revision - 1), entry(256, tuned, variant="causal(align='top_left')"))
+    dispatch.use_registry(tmp_path)
+    q = torch.randn(1, 2, 256, 32, device=DEVICE).half()
+    fallback, row = default_entry("fwd", arch_of(q.device), 32)
+    choice = dispatch.choose(q, q, q)
+    assert choice.config == fallback != tuned
+    assert choice.source == (f"no registry entry for {dispatch.gpu_of(q.device)} of fwd kernel revision "
+                             f"{FAMILIES['fwd'].revision}: 1 of another revision (revision "
+                             f"{FAMILIES['fwd'].revision + 1} in {path}) ignored, as their timings were of other "
+                             f"kernels (`attngen tune --kernel fwd` retunes); {row}")
+    assert dispatch.choose(q, q, q, "causal").config == tuned  # the current revision's entry is used
+    backward = dispatch.choose(q, q, q, kernel="bwd")
+    assert backward.config != tuned and f"revision {bwd.revision - 1} in {path}) ignored" in backward.source
 
 
 def test_environment_variable_selects_the_registry(tmp_path, monkeypatch, clean_dispatch):

@@ -77,7 +77,9 @@ class Problem:
         return self.heads // self.kv_heads
 
     def study_name(self, gpu: str) -> str:
-        return (f"attngen/{gpu}/{self.kernel}/{self.variant}/{self.dtype}/d{self.head_dim}/s{self.seq_len}/"
+        """The Optuna study's name; a new kernel revision starts a new study (the old one's times
+        were of other kernels)."""
+        return (f"attngen/{gpu}/{self.kernel}/r{self.family.revision}/{self.variant}/{self.dtype}/d{self.head_dim}/s{self.seq_len}/"
                 f"b{self.batch}h{self.heads}kv{self.kv_heads}")
 
     def entry_key(self) -> registry_.EntryKey:

@@ -3,8 +3,10 @@
 Two places hold registry files in the one format: the user's own folder (`user_dir()`, written by
 `attngen tune`) and the folder shipped in the package (`shipped_dir()`). A `Registry` reads the
 user's file first, then the shipped one, and says which entry it used and why. An entry's key
-names its kernel family (`kernel: fwd`); files of schema version 1, which called it `direction`,
-are read as they are and written back as version 2.
+names its kernel family (`kernel: fwd`), and the entry the family's kernel revision it was tuned on
+(`revision`, attngen.families): a lookup uses only entries of the revision it asks for. Files of
+schema versions 1 (which called the family `direction`) and 2 have no revisions: their entries are
+read as revision 1, and the files are written back as version 3.
 
 Reading never raises for bad content: a broken file or entry gives a `RegistryWarning` and is
 skipped. Writing merges under an exclusive lock and replaces the file atomically, so concurrent
@@ -32,8 +34,9 @@ from ..config import KernelConfig
 from ..dtypes import BYTES as DTYPE_BYTES
 from ..paths import data_dir, user_registry_dir
 
-SCHEMA_VERSION = 2
-READ_VERSIONS = (1, 2)  # version 1 named the kernel family `direction`
+SCHEMA_VERSION = 3
+READ_VERSIONS = (1, 2, 3)  # version 1 named the kernel family `direction`; 1 and 2 have no `revision`
+UNREVISED = 1  # the revision of an entry of a version 1 or 2 file
 INTERPRETER = "interpreter"  # the gpu key of Triton's CPU interpreter
 
 # the fields of attngen.config.KernelConfig, with the YAML type each must have
@@ -41,7 +44,7 @@ CONFIG_FIELDS = {"block_m": int, "block_n": int, "num_warps": int, "num_stages":
                  "use_tma": bool, "warp_specialize": bool}
 KEY_FIELDS = ("variant", "kernel", "dtype", "head_dim", "seq_bucket", "group", "batch_bucket")
 OPTIONAL_KEY_FIELDS = {"batch_bucket": 0}  # a field a file may leave out, and its value then
-ENTRY_FIELDS = KEY_FIELDS + ("config", "ms", "tflops", "sdpa_ms", "trials", "triton", "torch", "date")
+ENTRY_FIELDS = KEY_FIELDS + ("revision", "config", "ms", "tflops", "sdpa_ms", "trials", "triton", "torch", "date")
 FILE_FIELDS = ("version", "gpu", "device_name", "entries")
 
 # libyaml's parser and emitter when PyYAML has them: the same safe (de)constructors, several times
@@ -161,8 +164,10 @@ class EntryKey:
 
 @dataclass
 class Entry:
-    """One tuned winner: the config and what it measured (times in ms, SDPA in the same run)."""
+    """One tuned winner: the config and what it measured (times in ms, SDPA in the same run) on
+    revision `revision` of its family's kernels."""
     key: EntryKey
+    revision: int
     config: dict
     ms: float
     tflops: float
@@ -176,6 +181,8 @@ class Entry:
         if not isinstance(self.key, EntryKey):
             raise ValueError(f"key must be an EntryKey, got {type(self.key).__name__}")
         problems = _config_problems(self.config, self.key)
+        if not (_is_int(self.revision) and self.revision >= 1):
+            problems.append(f"revision={self.revision!r} must be an integer >= 1")
         if not (_is_number(self.ms) and self.ms > 0):
             problems.append(f"ms={self.ms!r} must be a positive number")
         if not (_is_number(self.tflops) and self.tflops > 0):
@@ -196,7 +203,9 @@ class Entry:
         self.sdpa_ms = None if self.sdpa_ms is None else float(self.sdpa_ms)
 
     def is_better_than(self, other: Entry) -> bool:
-        return self.tflops > other.tflops
+        """Whether this entry replaces `other` of the same key: a later revision of the kernels, or
+        the same revision and faster."""
+        return (self.revision, self.tflops) > (other.revision, other.tflops)
 
     def kernel_config(self) -> KernelConfig:
         return KernelConfig(**self.config)
@@ -205,7 +214,7 @@ class Entry:
         """The entry as written to the file, fields in file order."""
         out = {name: getattr(self.key, name) for name in KEY_FIELDS
                if getattr(self.key, name) != OPTIONAL_KEY_FIELDS.get(name, object())}  # optional fields at their default left out
-        out.update(config=dict(self.config), ms=self.ms, tflops=self.tflops, sdpa_ms=self.sdpa_ms,
+        out.update(revision=self.revision, config=dict(self.config), ms=self.ms, tflops=self.tflops, sdpa_ms=self.sdpa_ms,
                    trials=self.trials, triton=self.triton, torch=self.torch, date=self.date)
         return out
 
@@ -243,6 +252,8 @@ def _entry_from_mapping(raw, version: int = SCHEMA_VERSION) -> Entry:
         raise ValueError(f"must be a mapping, got {type(raw).__name__}")
     if version == 1 and "direction" in raw and "kernel" not in raw:
         raw = {("kernel" if name == "direction" else name): value for name, value in raw.items()}
+    if version < 3 and "revision" not in raw:
+        raw = {**raw, "revision": UNREVISED}
     missing = [name for name in ENTRY_FIELDS if name not in raw and name not in OPTIONAL_KEY_FIELDS]
     unknown = [str(name) for name in raw if name not in ENTRY_FIELDS]
     if missing or unknown:
@@ -337,8 +348,10 @@ def _read(path: Path, skipped: list[int] | None = None) -> tuple[RegistryFile | 
         if old is not None:  # e.g. two tuners' files merged by hand: keep the better one
             keep_new = entry.is_better_than(old)
             dropped, kept = (first_index[entry.key], index) if keep_new else (index, first_index[entry.key])
-            _warn(f"skipping entry {dropped} of registry {path}: same key as entry {kept}, "
-                  f"which is at least as fast")
+            winner = entry if keep_new else old
+            why = (f"of a later kernel revision ({winner.revision})" if entry.revision != old.revision
+                   else "at least as fast")
+            _warn(f"skipping entry {dropped} of registry {path}: same key as entry {kept}, which is {why}")
             if not keep_new:
                 continue
         out.entries[entry.key] = entry
@@ -467,8 +480,9 @@ class Registry:
                 sources.append(source)
         return cls(sources, unusable, {path: indices for path, indices in skipped.items() if indices})
 
-    def lookup(self, key: EntryKey) -> tuple[Entry, str] | None:
-        """The entry for `key` and why it was chosen; None when no entry fits.
+    def lookup(self, key: EntryKey, revision: int | None) -> tuple[Entry, str] | None:
+        """The entry for `key` tuned on kernel revision `revision` (None: any revision), and why it
+        was chosen; None when no entry fits.
 
         An exact entry wins (the first source that has one); otherwise the nearest sequence bucket
         of the same variant, kernel, dtype, head dim and group: nearest in log2 distance, then
@@ -476,9 +490,11 @@ class Registry:
         (for the families that tune per batch).
         """
         for source in self.sources:
-            if key in source.entries:
-                return source.entries[key], f"exact entry in {source.path}"
-        candidates = self._buckets.get(key.without_bucket())
+            entry = source.entries.get(key)
+            if entry is not None and revision in (None, entry.revision):
+                return entry, f"exact entry in {source.path}"
+        candidates = [(rank, entry) for rank, entry in self._buckets.get(key.without_bucket(), ())
+                      if revision in (None, entry.revision)]
         if not candidates:
             return None
         want, batch = key.seq_bucket.bit_length(), key.batch_bucket.bit_length()
@@ -492,6 +508,12 @@ class Registry:
         elif key.batch_bucket:
             found += f", batch bucket {entry.key.batch_bucket} (asked {key.batch_bucket})"
         return entry, f"{found} in {self.sources[rank].path}"
+
+    def other_revisions(self, key: EntryKey, revision: int) -> list[tuple[Path | None, Entry]]:
+        """(source path, entry) of the entries a lookup of `key` at `revision` ignores for their
+        revision: those of any bucket of the same variant, kernel, dtype, head dim and group."""
+        return [(self.sources[rank].path, entry) for rank, entry in self._buckets.get(key.without_bucket(), ())
+                if entry.revision != revision]
 
     def entries(self) -> Iterator[tuple[Path | None, Entry]]:
         """Every (source path, entry), sources in order of preference."""

@@ -195,12 +195,13 @@ def start_fresh(problems: list[Problem], settings: Settings) -> None:
 
 def starting_points(problem: Problem, settings: Settings, space) -> list[KernelConfig]:
     """The first configs a new study tries: what the registries already hold for this problem
-    (exact or nearest bucket), the fallback the dispatcher would run it at (its family's DEFAULTS
+    (exact or nearest bucket, of any kernel revision: a config that won on the kernels before is a
+    good first guess), the fallback the dispatcher would run it at (its family's DEFAULTS
     table for the call: bwd_dense for a dense backward, say), then the space's `start` configs; a
     search never ends worse than them."""
     values = space.for_arch(settings.arch)
     found = registry_.Registry.load([settings.out, registry_.user_dir(), registry_.shipped_dir()],
-                                    settings.gpu).lookup(problem.entry_key())
+                                    settings.gpu).lookup(problem.entry_key(), None)  # any revision's config
     configs = [found[0].kernel_config()] if found else []
     shape = Shape(problem.batch, problem.heads, problem.kv_heads, problem.q_len, problem.seq_len, problem.head_dim)
     table = problem.family.table(shape, torch.device(settings.device), False, problem.mask_object())
@@ -218,7 +219,7 @@ def winner_entry(problem: Problem, study, gpu: str) -> registry_.Entry | None:
     if best is None:
         return None
     trials = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
-    return registry_.Entry(key=problem.entry_key(), config=dict(best.params), ms=_round(best.user_attrs["ms"]),
+    return registry_.Entry(key=problem.entry_key(), revision=problem.family.revision, config=dict(best.params), ms=_round(best.user_attrs["ms"]),
                            tflops=_round(best.user_attrs["tflops"]), sdpa_ms=_round(study.user_attrs.get("sdpa_ms")),
                            trials=trials, triton=str(triton.__version__), torch=str(torch.__version__),
                            date=datetime.date.today().isoformat())

@@ -4,12 +4,13 @@ import pytest
 
 from attngen import cli
 from attngen.config import KernelConfig
+from attngen.families import FORWARD
 from attngen.tuning import registry
 from attngen.tuning.registry import Entry, EntryKey
 
 
 def entry(variant, bucket, config, sdpa_ms=None):
-    return Entry(EntryKey(variant, "fwd", "fp16", 32, bucket, 1), config.as_dict(), ms=0.5, tflops=12.5,
+    return Entry(EntryKey(variant, "fwd", "fp16", 32, bucket, 1), FORWARD.revision, config.as_dict(), ms=0.5, tflops=12.5,
                  sdpa_ms=sdpa_ms, trials=7, triton="3.6.0", torch="2.13.0", date="2026-11-29")
 
 
@@ -38,28 +39,45 @@ def test_list_names_every_source_and_its_entries(user_registry, capsys):
 def test_show_prints_configs_as_attngen_shows_them(user_registry, capsys):
     assert cli.main(["registry", "show"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["source", "variant", "kernel", "dtype", "D", "bucket", "group", "batch", "config",
-                                "ms", "TFLOP/s", "SDPA", "ms", "speedup", "trials", "date"]
+    assert lines[0].split() == ["source", "variant", "kernel", "revision", "dtype", "D", "bucket", "group", "batch",
+                                "config", "ms", "TFLOP/s", "SDPA", "ms", "speedup", "trials", "date"]
     causal, dense = lines[1:]
     # configs as stored and as tune / explain print them (the interpreter runs the tma path too);
     # four significant digits
-    assert causal.split() == [str(user_registry), "causal(align='top_left')", "fwd", "fp16", "32", "64", "1", "any", "32x16",
-                              "w4", "s2", "tma", "0.5", "12.5", "1", "2.00x", "7", "2026-11-29"]
+    assert causal.split() == [str(user_registry), "causal(align='top_left')", "fwd", str(FORWARD.revision), "fp16",
+                              "32", "64", "1", "any", "32x16", "w4", "s2", "tma", "0.5", "12.5", "1", "2.00x", "7",
+                              "2026-11-29"]
     assert "  32x16 w4 s2 tma  " in causal and "  16x64 w2 s1  " in dense and dense.split()[-4:-2] == ["n/a", "n/a"]
 
 
 def test_show_keeps_small_figures_and_gpu_flags(user_registry, capsys):
-    slow = Entry(EntryKey("none", "fwd", "fp16", 32, 64, 1), KernelConfig(32, 16, 4, 2, use_tma=True).as_dict(),
-                 ms=1234.5678, tflops=1.8123e-05, sdpa_ms=None, trials=7, triton="3.6.0", torch="2.13.0",
+    slow = Entry(EntryKey("none", "fwd", "fp16", 32, 64, 1), FORWARD.revision,
+                 KernelConfig(32, 16, 4, 2, use_tma=True).as_dict(), ms=1234.5678, tflops=1.8123e-05, sdpa_ms=None, trials=7, triton="3.6.0", torch="2.13.0",
                  date="2026-11-29")
     registry.write_entries(user_registry, [slow], "interpreter", "Triton interpreter (CPU)")
     registry.write_entries(user_registry.with_name("h200.yaml"), [slow], "h200", "NVIDIA H200")
     assert cli.main(["registry", "show"]) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if " none " in ln and " 64 " in ln]
-    assert line.split()[8:14] == ["32x16", "w4", "s2", "tma", "1235", "1.812e-05"]  # not 0.0 TFLOP/s
+    assert line.split()[9:15] == ["32x16", "w4", "s2", "tma", "1235", "1.812e-05"]  # not 0.0 TFLOP/s
     assert cli.main(["registry", "show", "--gpu", "h200"]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert str(user_registry.with_name("h200.yaml")) in line and "  32x16 w4 s2 tma  " in line
+
+
+def test_show_marks_entries_of_another_kernel_revision(user_registry, capsys):
+    """The dispatcher ignores them (tests/test_dispatch.py); show says so, and why."""
+    old = entry("none", 4096, KernelConfig(16, 64, 2, 1))
+    old.revision = FORWARD.revision + 1
+    unknown = Entry(EntryKey("none", "bwd2", "fp16", 32, 64, 1), 1, KernelConfig(16, 16, 2, 1).as_dict(), ms=0.5,
+                    tflops=12.5, sdpa_ms=None, trials=7, triton="3.6.0", torch="2.13.0", date="2026-11-29")
+    registry.write_entries(user_registry, [old, unknown], "interpreter", "Triton interpreter (CPU)")
+    assert cli.main(["registry", "show"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (line,) = [ln for ln in lines if " 4096 " in ln]
+    assert f" {FORWARD.revision + 1} (ignored: kernels at {FORWARD.revision}) " in line
+    (line,) = [ln for ln in lines if " bwd2 " in ln]
+    assert " 1 (ignored: no kernel family 'bwd2') " in line
+    assert sum("ignored" in ln for ln in lines) == 2  # the entries of the current revision are not marked
 
 
 def test_show_without_entries_says_where_it_looked(tmp_path, monkeypatch, capsys):

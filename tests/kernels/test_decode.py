@@ -11,6 +11,7 @@ import attngen
 from attngen import decoding
 from attngen.checks import Shape
 from attngen.config import KernelConfig
+from attngen.families import DECODE
 from attngen.kernels import decode as decode_kernels
 from attngen.kernels.decode import Cache, combine_rows, combine_tiles, decode_forward, split_count
 from helpers import DEVICE, assert_close, poisoned_like
@@ -259,7 +260,7 @@ def test_a_tuned_entry_serves_contiguous_calls_and_paged_calls_take_the_defaults
                             batch_bucket=2)
     gpu = attngen.dispatch.gpu_of(q.device)
     registry.write_entries(tmp_path / f"{gpu}.yaml", [registry.Entry(
-        key=key, config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3, triton="3.6.0",
+        key=key, revision=DECODE.revision, config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3, triton="3.6.0",
         torch="2.13.0", date="2026-12-03")], gpu, "test")
     clean_dispatch.use_registry(tmp_path)
     used = []

@@ -27,7 +27,7 @@ def objective(tmp_path, monkeypatch):
 
 def test_problem_names_its_study_and_registry_key():
     assert PROBLEM.kernel == "fwd" and PROBLEM.group == 2 and PROBLEM.variant == "causal(align='top_left')"
-    assert PROBLEM.study_name("h200") == "attngen/h200/fwd/causal(align='top_left')/fp16/d32/s40/b1h2kv1"
+    assert PROBLEM.study_name("h200") == "attngen/h200/fwd/r1/causal(align='top_left')/fp16/d32/s40/b1h2kv1"
     key = PROBLEM.entry_key()
     assert (key.kernel, key.seq_bucket, key.group) == ("fwd", 64, 2)
     topk = Problem(mask="none", dtype="fp16", batch=1, heads=2, kv_heads=2, seq_len=40, head_dim=32, topk=8)

@@ -22,9 +22,9 @@ CONFIG = dict(block_m=128, block_n=64, num_warps=4, num_stages=2, use_tma=True, 
 
 
 def make_entry(variant="none", kernel="fwd", dtype="bf16", head_dim=128, bucket=4096, group=1,
-               tflops=100.0, **config):
+               tflops=100.0, revision=1, **config):
     key = EntryKey(variant, kernel, dtype, head_dim, bucket, group)
-    return Entry(key, {**CONFIG, **config}, ms=1.5, tflops=tflops, sdpa_ms=1.2, trials=40,
+    return Entry(key, revision, {**CONFIG, **config}, ms=1.5, tflops=tflops, sdpa_ms=1.2, trials=40,
                  triton="3.6.0", torch="2.11.0+cu130", date="2026-11-29")
 
 
@@ -93,7 +93,7 @@ def test_missing_config_field_is_refused():
     config = dict(CONFIG)
     del config["warp_specialize"]
     with pytest.raises(ValueError, match="config lacks warp_specialize"):
-        Entry(make_entry().key, config, 1.0, 1.0, None, 1, "3.6.0", "2.11", "2026-11-29")
+        Entry(make_entry().key, 1, config, 1.0, 1.0, None, 1, "3.6.0", "2.11", "2026-11-29")
 
 
 @pytest.mark.parametrize("fields, reason", [
@@ -138,7 +138,7 @@ def test_batch_bucket_is_written_only_where_set(tmp_path, no_warnings):
     """The families that tune per batch (decode) key entries by batch bucket; the others' entries
     (batch_bucket 0: any batch) leave the field out, so files written before it read the same."""
     per_batch = make_entry(kernel="decode", bucket=8192)
-    per_batch = Entry(dataclasses.replace(per_batch.key, batch_bucket=8), per_batch.config, 1.0, 2.0, None, 3,
+    per_batch = Entry(dataclasses.replace(per_batch.key, batch_bucket=8), 1, per_batch.config, 1.0, 2.0, None, 3,
                       "3.6.0", "2.11", "2026-12-03")
     path = tmp_path / "h200.yaml"
     write_entries(path, [make_entry(), per_batch], "h200", "NVIDIA H200")
@@ -210,7 +210,7 @@ GOOD_ENTRY = make_entry().as_dict()
     ("", "the file is empty"),
     ("- 1\n- 2\n", "the top level must be a mapping"),
     ("gpu: h200\ndevice_name: x\nentries: []\n", "it has no version"),
-    ("version: 3\ngpu: h200\ndevice_name: x\nentries: []\n", "version 3, this attngen reads versions 1, 2"),
+    ("version: 4\ngpu: h200\ndevice_name: x\nentries: []\n", "version 4, this attngen reads versions 1, 2, 3"),
     ("version: 1\ngpu: h200\ndevice_name: x\nentries: {a: 1}\n", "entries={'a': 1} must be a list of entries, got dict"),
     # every top-level problem is named, not only the first checked
     ("version: 2\ngpu: h200\nentries: 5\n", "device_name=None must be a string; entries=5 must be a list of entries, "
@@ -254,8 +254,8 @@ def test_a_bad_entry_is_skipped_and_the_good_ones_kept(tmp_path):
     assert messages == [
         f"attngen: skipping entry 1 ({key.format(1024)}) of registry {path}: "
         "block_m=48 must be a power of two >= 16",
-        start.format(2) + "lacks " + ", ".join(f for f in registry.ENTRY_FIELDS
-                                               if f != "ms" and f not in registry.OPTIONAL_KEY_FIELDS),
+        start.format(2) + "lacks " + ", ".join(f for f in registry.ENTRY_FIELDS  # a version 1 file has no revisions
+                                               if f not in ("ms", "revision") and f not in registry.OPTIONAL_KEY_FIELDS),
         start.format(3) + "must be a mapping, got str",
         f"attngen: skipping entry 4 ({key.format(2048)}) of registry {path}: lacks tflops; unknown fields tflop",
         f"attngen: skipping entry 5 ({key.format(16)}) of registry {path}: "
@@ -273,20 +273,22 @@ def test_duplicate_keys_keep_the_better_entry(tmp_path):
     assert [e.tflops for e in loaded.entries.values()] == [GOOD_ENTRY["tflops"]]
 
 
-def test_a_version_1_file_is_read_and_written_back_as_version_2(tmp_path, no_warnings):
-    """Version 1 called the kernel family `direction`: its entries are read as `kernel` ones, and the
-    next write turns the file into version 2."""
-    old = {("direction" if name == "kernel" else name): value for name, value in GOOD_ENTRY.items()}
+def test_a_version_1_file_is_read_and_written_back_as_version_3(tmp_path, no_warnings):
+    """Version 1 called the kernel family `direction` and had no revisions: its entries are read as
+    `kernel` ones of revision 1, and the next write turns the file into version 3."""
+    old = {("direction" if name == "kernel" else name): value for name, value in GOOD_ENTRY.items()
+           if name != "revision"}
     assert list(old)[:3] == ["variant", "direction", "dtype"]
     path = write_raw(tmp_path / "h200.yaml", {"version": 1, "gpu": "h200", "device_name": "NVIDIA H200",
                                                "entries": [old]})
     (entry,) = load_file(path).entries.values()
-    assert entry.key == make_entry().key and entry.key.kernel == "fwd"
-    found, reason = Registry.load([tmp_path], "h200").lookup(make_entry().key)
+    assert entry.key == make_entry().key and entry.key.kernel == "fwd" and entry.revision == 1
+    found, reason = Registry.load([tmp_path], "h200").lookup(make_entry().key, 1)
     assert found.tflops == GOOD_ENTRY["tflops"] and reason.startswith("exact entry")
     write_entries(path, [make_entry(bucket=1024)], "h200", "NVIDIA H200")
     text = path.read_text()
-    assert text.startswith("version: 2\n") and "direction" not in text and text.count("\n  kernel: fwd\n") == 2
+    assert text.startswith("version: 3\n") and "direction" not in text
+    assert text.count("\n  kernel: fwd\n") == 2 and text.count("\n  group: 1\n  revision: 1\n") == 2
     assert sorted(k.seq_bucket for k in load_file(path).entries) == [1024, 4096]
     assert not list(tmp_path.glob("h200.yaml.invalid-*"))  # nothing was unusable
 
@@ -297,6 +299,53 @@ def test_direction_is_only_read_in_version_1(tmp_path):
                                                "entries": [old]})
     with pytest.warns(RegistryWarning, match="skipping entry 0 .* lacks kernel; unknown fields direction"):
         assert load_file(path).entries == {}
+
+
+def test_a_version_2_file_has_revision_1_and_version_3_requires_one(tmp_path, no_warnings):
+    unrevised = {name: value for name, value in GOOD_ENTRY.items() if name != "revision"}
+    path = write_raw(tmp_path / "h200.yaml", {"version": 2, "gpu": "h200", "device_name": "NVIDIA H200",
+                                               "entries": [unrevised]})
+    assert [e.revision for e in load_file(path).entries.values()] == [1]
+    path = write_raw(tmp_path / "h200.yaml", {"version": 3, "gpu": "h200", "device_name": "NVIDIA H200",
+                                               "entries": [unrevised, {**GOOD_ENTRY, "seq_bucket": 1024,
+                                                                       "revision": 0}]})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert load_file(path).entries == {}
+    assert [str(w.message).split(": ", 2)[2] for w in record] == ["lacks revision",
+                                                                  "revision=0 must be an integer >= 1"]
+
+
+def test_lookups_use_only_the_revision_asked_for(tmp_path, no_warnings):
+    """An entry's timings are of the kernels of its revision: a lookup at another revision ignores it
+    (exact or nearest bucket), other_revisions names it, and a lookup at None takes any."""
+    user = write_source(tmp_path / "user", make_entry(revision=1, tflops=5.0), make_entry(bucket=1024, revision=2))
+    shipped = write_source(tmp_path / "shipped", make_entry(revision=2, tflops=1.0))
+    reg = Registry.load([tmp_path / "user", tmp_path / "shipped"], "h200")
+    entry, reason = reg.lookup(make_entry().key, 2)
+    assert (entry.tflops, entry.revision, reason) == (1.0, 2, f"exact entry in {shipped}")
+    entry, reason = reg.lookup(make_entry().key, 1)
+    assert (entry.tflops, reason) == (5.0, f"exact entry in {user}")
+    assert reg.lookup(make_entry(bucket=1024).key, 1)[0].key.seq_bucket == 4096  # the 1024 entry is revision 2
+    assert reg.lookup(make_entry().key, 3) is None
+    assert reg.lookup(make_entry(bucket=16).key, None)[0].key.seq_bucket == 1024
+    assert [(path, e.revision, e.key.seq_bucket) for path, e in reg.other_revisions(make_entry().key, 2)] == \
+        [(user, 1, 4096)]
+    assert reg.other_revisions(make_entry(variant="causal").key, 1) == []
+
+
+def test_a_later_revision_replaces_a_faster_entry(tmp_path, no_warnings):
+    path = tmp_path / "h200.yaml"
+    write_entries(path, [make_entry(revision=1, tflops=9.0)], "h200", "NVIDIA H200")
+    write_entries(path, [make_entry(revision=2, tflops=1.0)], "h200", "NVIDIA H200")
+    assert [(e.revision, e.tflops) for e in load_file(path).entries.values()] == [(2, 1.0)]
+    write_entries(path, [make_entry(revision=1, tflops=99.0)], "h200", "NVIDIA H200")  # an earlier kernel's
+    assert [(e.revision, e.tflops) for e in load_file(path).entries.values()] == [(2, 1.0)]
+    later = {**GOOD_ENTRY, "revision": 2, "tflops": 1.0}
+    path = write_raw(path, {"version": 3, "gpu": "h200", "device_name": "NVIDIA H200", "entries": [later, GOOD_ENTRY]})
+    with pytest.warns(RegistryWarning, match=r"skipping entry 1 of registry .*: same key as entry 0, which is of a "
+                                             r"later kernel revision \(2\)"):
+        assert [e.revision for e in load_file(path).entries.values()] == [2]
 
 
 def test_variant_names():
@@ -383,7 +432,7 @@ while not go.exists():
 config = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, use_tma=False, warp_specialize=False)
 for i in range(25):
     key = EntryKey(f"writer{writer}", "fwd", "fp16", 64, 16 << i, 1)
-    entry = Entry(key, config, 1.0, 10.0 + i, None, 1, "3.6.0", "2.11.0", "2026-11-29")
+    entry = Entry(key, 1, config, 1.0, 10.0 + i, None, 1, "3.6.0", "2.11.0", "2026-11-29")
     write_entries(path, [entry], "h200", "NVIDIA H200")
 """
 
@@ -439,9 +488,9 @@ def test_exact_lookup_prefers_the_user(tmp_path):
     user = write_source(tmp_path / "user", make_entry(tflops=1.0))
     shipped = write_source(tmp_path / "shipped", make_entry(tflops=2.0), make_entry(bucket=1024, tflops=3.0))
     reg = Registry.load([tmp_path / "user", tmp_path / "shipped"], "h200")
-    entry, reason = reg.lookup(make_entry().key)
+    entry, reason = reg.lookup(make_entry().key, 1)
     assert (entry.tflops, reason) == (1.0, f"exact entry in {user}")
-    entry, reason = reg.lookup(make_entry(bucket=1024).key)
+    entry, reason = reg.lookup(make_entry(bucket=1024).key, 1)
     assert (entry.tflops, reason) == (3.0, f"exact entry in {shipped}")
     assert [(p, e.tflops) for p, e in reg.entries()] == [(user, 1.0), (shipped, 3.0), (shipped, 2.0)]
 
@@ -455,7 +504,7 @@ def test_exact_lookup_prefers_the_user(tmp_path):
 ])
 def test_nearest_bucket(tmp_path, asked, found):
     source = write_source(tmp_path, *(make_entry(bucket=b, tflops=float(b)) for b in (1024, 4096, 32768, 65536)))
-    entry, reason = Registry.load([tmp_path], "h200").lookup(make_entry(bucket=asked).key)
+    entry, reason = Registry.load([tmp_path], "h200").lookup(make_entry(bucket=asked).key, 1)
     assert entry.key.seq_bucket == found
     assert reason == f"nearest sequence bucket {found} (asked {asked}) in {source}"
 
@@ -463,26 +512,26 @@ def test_nearest_bucket(tmp_path, asked, found):
 def test_nearest_bucket_ties_go_to_the_larger(tmp_path):
     write_source(tmp_path, make_entry(bucket=1024), make_entry(bucket=4096))
     reg = Registry.load([tmp_path], "h200")
-    assert reg.lookup(make_entry(bucket=2048).key)[0].key.seq_bucket == 4096
-    assert reg.lookup(make_entry(bucket=8192).key)[0].key.seq_bucket == 4096
-    assert reg.lookup(make_entry(bucket=512).key)[0].key.seq_bucket == 1024
+    assert reg.lookup(make_entry(bucket=2048).key, 1)[0].key.seq_bucket == 4096
+    assert reg.lookup(make_entry(bucket=8192).key, 1)[0].key.seq_bucket == 4096
+    assert reg.lookup(make_entry(bucket=512).key, 1)[0].key.seq_bucket == 1024
 
 
 def test_nearest_bucket_prefers_the_user_at_equal_distance(tmp_path):
     user = write_source(tmp_path / "user", make_entry(bucket=1024), make_entry(bucket=65536))
     write_source(tmp_path / "shipped", make_entry(bucket=4096), make_entry(bucket=32768))
     reg = Registry.load([tmp_path / "user", tmp_path / "shipped"], "h200")
-    entry, reason = reg.lookup(make_entry(bucket=2048).key)  # user 1024 and shipped 4096 are one step away
+    entry, reason = reg.lookup(make_entry(bucket=2048).key, 1)  # user 1024 and shipped 4096 are one step away
     assert entry.key.seq_bucket == 1024 and reason.endswith(f"in {user}")
-    assert reg.lookup(make_entry(bucket=16384).key)[0].key.seq_bucket == 32768  # nearer wins over the user
+    assert reg.lookup(make_entry(bucket=16384).key, 1)[0].key.seq_bucket == 32768  # nearer wins over the user
 
 
 @pytest.mark.parametrize("other", [dict(variant="causal"), dict(kernel="bwd"), dict(dtype="fp16"),
                                    dict(head_dim=64), dict(group=2)])
 def test_lookup_without_a_fitting_entry(tmp_path, other):
     write_source(tmp_path, make_entry())
-    assert Registry.load([tmp_path], "h200").lookup(make_entry(**other).key) is None
-    assert Registry([]).lookup(make_entry().key) is None
+    assert Registry.load([tmp_path], "h200").lookup(make_entry(**other).key, 1) is None
+    assert Registry([]).lookup(make_entry().key, 1) is None
 
 
 def test_load_reads_files_and_folders(tmp_path):
@@ -514,6 +563,6 @@ def test_shipped_registry_is_valid(no_warnings):
     for path in sorted(shipped_dir().glob("*.yaml")):
         loaded = load_file(path)
         assert loaded is not None and loaded.gpu == path.stem
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
     text = (shipped_dir() / "h200.yaml").read_text()
-    assert text.startswith("version: 2\n") and "direction:" not in text
+    assert text.startswith("version: 3\n") and "direction:" not in text

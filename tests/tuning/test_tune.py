@@ -49,6 +49,7 @@ def test_tune_writes_a_registry_the_dispatcher_uses(tmp_path):
     file = registry.load_file(tmp_path / "reg" / "interpreter.yaml")
     (entry,) = file.entries.values()
     assert entry.key.seq_bucket == 64 and entry.key.head_dim == 16 and entry.key.kernel == "fwd"
+    assert entry.revision == FAMILIES["fwd"].revision  # the kernels the winner was timed on
     assert entry.trials >= 3
     config = str(entry.kernel_config())  # how attngen shows a config: "16x16 w4 s1"
     summary = next(line for line in r.stdout.splitlines() if line.startswith("fwd "))
@@ -102,6 +103,7 @@ def test_tune_decode_keeps_an_entry_per_batch_bucket(tmp_path):
     file = registry.load_file(tmp_path / "reg" / "interpreter.yaml")
     keys = sorted((e.key.kernel, e.key.batch_bucket, e.key.seq_bucket, e.key.group) for e in file.entries.values())
     assert keys == [("decode", 1, 64, 2), ("decode", 4, 64, 2)]
+    assert {e.revision for e in file.entries.values()} == {FAMILIES["decode"].revision}
     assert (tmp_path / "reg" / "interpreter.yaml").read_text().count("batch_bucket: ") == 2
     configs = {e.key.batch_bucket: str(e.kernel_config()) for e in file.entries.values()}
     chosen = interpreted(tmp_path, """
@@ -306,7 +308,7 @@ def test_new_studies_start_from_the_registry_and_the_defaults(tmp_path, monkeypa
     fallback = default_config("fwd", "interpreter", PROBLEM.head_dim)
     assert tune.starting_points(PROBLEM, settings, space) == [fallback]
     tuned = KernelConfig(16, 32, 4, 2, use_tma=True)
-    entry = registry.Entry(key=PROBLEM.entry_key(), config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None,
+    entry = registry.Entry(key=PROBLEM.entry_key(), revision=PROBLEM.family.revision, config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None,
                            trials=3, triton="3.6.0", torch="2.13.0", date="2026-11-29")
     registry.write_entries(tmp_path / "out" / "interpreter.yaml", [entry], "interpreter", "x")
     assert tune.starting_points(PROBLEM, settings, space) == [tuned, fallback]
@@ -328,7 +330,8 @@ def test_summary_shows_configs_and_says_why_a_problem_has_no_winner():
     assert "no config passed" in text
     assert f"{PROBLEM.variant} fp16 d32 s40: 2 of 3 trials: exit 1: CompilationError: out of shared memory" in text
     assert "no trial finished" in tune.summary_table([(PROBLEM, optuna.create_study(), None)])
-    entry = registry.Entry(key=PROBLEM.entry_key(), config=KernelConfig(32, 16, 4, 2, use_tma=True).as_dict(), ms=2.0,
+    entry = registry.Entry(key=PROBLEM.entry_key(), revision=1, config=KernelConfig(32, 16, 4, 2, use_tma=True).as_dict(),
+                           ms=2.0,
                            tflops=1.5, sdpa_ms=3.0, trials=3, triton="3.6.0", torch="2.13.0", date="2026-11-29")
     won = tune.summary_table([(PROBLEM, None, entry)]).splitlines()
     assert won[0].split() == ["kernel", "mask", "dtype", "D", "S", "B", "H/Hkv", "config", "ms", "TFLOP/s", "SDPA",
