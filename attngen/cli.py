@@ -202,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description="list: the registry files for a GPU in lookup order, each with its entry count, "
                                      "or why it is unusable (exit status 1 when one is); show: every entry (user "
                                      "registry first, then the shipped one) with the kernel revision it was tuned "
-                                     "on; the dispatcher ignores entries of another revision than its kernels'. A GPU with no registry file at all is "
-                                     "an error that names the GPUs that have one.")
+                                     "on; the dispatcher ignores entries of another revision than its kernels'. A "
+                                     "GPU with no registry file at all is an error that names the GPUs that have "
+                                     "one.")
     reg.add_argument("action", choices=["list", "show"])
     reg.add_argument("--gpu", help="GPU key, e.g. h200 (default: this machine's, or 'interpreter' without CUDA)")
     reg.set_defaults(run=cmd_registry)

@@ -19,8 +19,8 @@ def entry(seq_bucket, config, variant="none", kernel="fwd", head_dim=32, revisio
     key = registry.EntryKey(variant=variant, kernel=kernel, dtype="fp16", head_dim=head_dim, seq_bucket=seq_bucket,
                             group=1)
     revision = FAMILIES[kernel].revision if revision is None else revision
-    return registry.Entry(key=key, revision=revision, config=config.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3,
-                          triton="3.6.0", torch="2.13.0", date="2026-11-29")
+    return registry.Entry(key=key, revision=revision, config=config.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None,
+                          trials=3, triton="3.6.0", torch="2.13.0", date="2026-11-29")
 
 
 def write(folder, *entries):
@@ -55,7 +55,8 @@ def test_entries_of_another_kernel_revision_are_ignored(tmp_path, clean_dispatch
     bwd = FAMILIES["bwd"]
     tuned = KernelConfig(16, 16, 2, 1)
     path = write(tmp_path, entry(256, tuned, revision=FAMILIES["fwd"].revision + 1),
-                 entry(256, tuned, kernel="bwd", revision=bwd.revision - 1), entry(256, tuned, variant="causal(align='top_left')"))
+                 entry(256, tuned, kernel="bwd", revision=bwd.revision - 1),
+                 entry(256, tuned, variant="causal(align='top_left')"))
     dispatch.use_registry(tmp_path)
     q = torch.randn(1, 2, 256, 32, device=DEVICE).half()
     fallback, row = default_entry("fwd", arch_of(q.device), 32)

@@ -79,8 +79,8 @@ class Problem:
     def study_name(self, gpu: str) -> str:
         """The Optuna study's name; a new kernel revision starts a new study (the old one's times
         were of other kernels)."""
-        return (f"attngen/{gpu}/{self.kernel}/r{self.family.revision}/{self.variant}/{self.dtype}/d{self.head_dim}/s{self.seq_len}/"
-                f"b{self.batch}h{self.heads}kv{self.kv_heads}")
+        return (f"attngen/{gpu}/{self.kernel}/r{self.family.revision}/{self.variant}/{self.dtype}/d{self.head_dim}/"
+                f"s{self.seq_len}/b{self.batch}h{self.heads}kv{self.kv_heads}")
 
     def entry_key(self) -> registry_.EntryKey:
         return registry_.EntryKey(variant=self.variant, kernel=self.kernel, dtype=self.dtype,

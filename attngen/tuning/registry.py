@@ -214,8 +214,8 @@ class Entry:
         """The entry as written to the file, fields in file order."""
         out = {name: getattr(self.key, name) for name in KEY_FIELDS
                if getattr(self.key, name) != OPTIONAL_KEY_FIELDS.get(name, object())}  # optional fields at their default left out
-        out.update(revision=self.revision, config=dict(self.config), ms=self.ms, tflops=self.tflops, sdpa_ms=self.sdpa_ms,
-                   trials=self.trials, triton=self.triton, torch=self.torch, date=self.date)
+        out.update(revision=self.revision, config=dict(self.config), ms=self.ms, tflops=self.tflops,
+                   sdpa_ms=self.sdpa_ms, trials=self.trials, triton=self.triton, torch=self.torch, date=self.date)
         return out
 
 

@@ -219,7 +219,8 @@ def winner_entry(problem: Problem, study, gpu: str) -> registry_.Entry | None:
     if best is None:
         return None
     trials = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
-    return registry_.Entry(key=problem.entry_key(), revision=problem.family.revision, config=dict(best.params), ms=_round(best.user_attrs["ms"]),
+    return registry_.Entry(key=problem.entry_key(), revision=problem.family.revision, config=dict(best.params),
+                           ms=_round(best.user_attrs["ms"]),
                            tflops=_round(best.user_attrs["tflops"]), sdpa_ms=_round(study.user_attrs.get("sdpa_ms")),
                            trials=trials, triton=str(triton.__version__), torch=str(torch.__version__),
                            date=datetime.date.today().isoformat())

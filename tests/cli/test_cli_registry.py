@@ -10,8 +10,8 @@ from attngen.tuning.registry import Entry, EntryKey
 
 
 def entry(variant, bucket, config, sdpa_ms=None):
-    return Entry(EntryKey(variant, "fwd", "fp16", 32, bucket, 1), FORWARD.revision, config.as_dict(), ms=0.5, tflops=12.5,
-                 sdpa_ms=sdpa_ms, trials=7, triton="3.6.0", torch="2.13.0", date="2026-11-29")
+    return Entry(EntryKey(variant, "fwd", "fp16", 32, bucket, 1), FORWARD.revision, config.as_dict(), ms=0.5,
+                 tflops=12.5, sdpa_ms=sdpa_ms, trials=7, triton="3.6.0", torch="2.13.0", date="2026-11-29")
 
 
 @pytest.fixture
@@ -52,8 +52,8 @@ def test_show_prints_configs_as_attngen_shows_them(user_registry, capsys):
 
 def test_show_keeps_small_figures_and_gpu_flags(user_registry, capsys):
     slow = Entry(EntryKey("none", "fwd", "fp16", 32, 64, 1), FORWARD.revision,
-                 KernelConfig(32, 16, 4, 2, use_tma=True).as_dict(), ms=1234.5678, tflops=1.8123e-05, sdpa_ms=None, trials=7, triton="3.6.0", torch="2.13.0",
-                 date="2026-11-29")
+                 KernelConfig(32, 16, 4, 2, use_tma=True).as_dict(), ms=1234.5678, tflops=1.8123e-05, sdpa_ms=None,
+                 trials=7, triton="3.6.0", torch="2.13.0", date="2026-11-29")
     registry.write_entries(user_registry, [slow], "interpreter", "Triton interpreter (CPU)")
     registry.write_entries(user_registry.with_name("h200.yaml"), [slow], "h200", "NVIDIA H200")
     assert cli.main(["registry", "show"]) == 0

@@ -260,8 +260,8 @@ def test_a_tuned_entry_serves_contiguous_calls_and_paged_calls_take_the_defaults
                             batch_bucket=2)
     gpu = attngen.dispatch.gpu_of(q.device)
     registry.write_entries(tmp_path / f"{gpu}.yaml", [registry.Entry(
-        key=key, revision=DECODE.revision, config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3, triton="3.6.0",
-        torch="2.13.0", date="2026-12-03")], gpu, "test")
+        key=key, revision=DECODE.revision, config=tuned.as_dict(), ms=1.0, tflops=1.0, sdpa_ms=None, trials=3,
+        triton="3.6.0", torch="2.13.0", date="2026-12-03")], gpu, "test")
     clean_dispatch.use_registry(tmp_path)
     used = []
     real = decoding.DecodePlan

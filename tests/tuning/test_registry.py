@@ -255,7 +255,7 @@ def test_a_bad_entry_is_skipped_and_the_good_ones_kept(tmp_path):
         f"attngen: skipping entry 1 ({key.format(1024)}) of registry {path}: "
         "block_m=48 must be a power of two >= 16",
         start.format(2) + "lacks " + ", ".join(f for f in registry.ENTRY_FIELDS  # a version 1 file has no revisions
-                                               if f not in ("ms", "revision") and f not in registry.OPTIONAL_KEY_FIELDS),
+                                               if f not in ("ms", "revision", *registry.OPTIONAL_KEY_FIELDS)),
         start.format(3) + "must be a mapping, got str",
         f"attngen: skipping entry 4 ({key.format(2048)}) of registry {path}: lacks tflops; unknown fields tflop",
         f"attngen: skipping entry 5 ({key.format(16)}) of registry {path}: "
