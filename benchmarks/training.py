@@ -166,8 +166,8 @@ def main() -> int:
                    help="only the methods whose name contains one of these comma-separated strings "
                         "(e.g. attngen,cudnn); every method when left out")
     p.add_argument("--profile", action="store_true",
-                   help="also record the GPU time of every kernel of attngen's and FlexAttention's step (torch.profiler) "
-                        "in each row, and print them")
+                   help="also record the GPU time of every kernel of each method's step (torch.profiler; not the "
+                        "torch top-k code, whose many small kernels say little) in each row, and print them")
     args = p.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
     dtype = DTYPES[args.dtype]
@@ -204,7 +204,7 @@ def main() -> int:
                 row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
                 row["ms"] = float(triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median"))
                 row["tflops"] = flops / row["ms"] / 1e9
-                if args.profile and (method.startswith("attngen") or method == "flex"):
+                if args.profile and not method.startswith("torch"):
                     row["kernels_ms"] = kernel_times(step, calls=10)
             except Exception as e:  # a backend that refuses the case, out of memory: say so, go on
                 row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
