@@ -10,7 +10,8 @@ from attngen import cli
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 # options the README names that belong to a script of benchmarks/, not to `attngen`
-SCRIPT_OPTIONS = {"--set": "benchmarks/topk_configs.py", "--nondeterministic": "benchmarks/bwd_configs.py"}
+SCRIPT_OPTIONS = {"--set": "benchmarks/topk_configs.py", "--nondeterministic": "benchmarks/bwd_configs.py",
+                  "--compile": "benchmarks/gluon_fwd.py"}
 INTERNAL = {"--help", "--worker-only"}
 
 
