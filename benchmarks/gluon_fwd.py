@@ -1,4 +1,4 @@
-"""A probe, not part of attngen: a dense attention forward for Hopper written in Gluon (triton 3.6's
+"""A probe, not part of attngen: an attention forward for Hopper written in Gluon (triton 3.6's
 explicit language: wgmma, TMA and mbarriers by hand), to find out whether it beats the Triton forward.
 
 Why: the Triton forward waits for each wgmma right after issuing it (triton 3.6 keeps one in flight
@@ -9,11 +9,14 @@ while P V of block j-1 runs, and the softmax of block j overlaps that P V (the o
 calls intra-warpgroup pipelining). K and V come through a ring of STAGES shared-memory slots filled
 by TMA.
 
-Scope: bf16 or fp16, contiguous (B, H, S, D) inputs, no mask, S a multiple of BLOCK_M and BLOCK_N,
-D 64 or 128; output only (no LSE, no backward).
+Scope: bf16 or fp16, contiguous (B, H, S, D) inputs, dense or causal, S a multiple of BLOCK_M and
+BLOCK_N (causal: BLOCK_M a multiple of BLOCK_N), D 64 or 128; output only (no LSE, no backward).
 
     python benchmarks/gluon_fwd.py --compile          # any machine: compile for sm_90, print usage
     python benchmarks/gluon_fwd.py --out DIR          # a Hopper GPU: check, then time A B B A
+
+On the GPU each config is first checked in a process of its own (--check-only, --check-timeout), so
+that a kernel that hangs costs its timeout and not the whole run.
 """
 
 from __future__ import annotations
@@ -249,6 +252,11 @@ def main() -> int:
     p.add_argument("--cases", default="none,causal", help="none (dense), causal, or both")
     p.add_argument("--shape", default="4,16,4096,128", help="B,H,S,D")
     p.add_argument("--out", default=".")
+    p.add_argument("--check-only", action="store_true",
+                   help="only check the gluon configs against float64 and exit 1 if one fails; the GPU run first "
+                        "does this for each config in a process of its own, so that a kernel that hangs (a wrong "
+                        "mbarrier phase) costs its timeout, not the run")
+    p.add_argument("--check-timeout", type=float, default=120.0, help="seconds a --check-only process may take")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("unset TRITON_INTERPRET: Gluon kernels are compiled, Triton's interpreter does not run them")
@@ -267,6 +275,22 @@ def main() -> int:
                     print(f"failed {case} {bm}x{bn} s{st} w{w}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         return 0
     return run_gpu(args, configs, cases)
+
+
+def isolated_check(args, config, case) -> str | None:
+    """Check one config in a process of its own; None if it passed, else why not."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--check-only", "--configs", "x".join(map(str, config)), "--cases", case,
+           "--shape", args.shape]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.check_timeout)
+    except subprocess.TimeoutExpired:
+        return f"no result in {args.check_timeout:.0f} s (a hang?)"
+    if done.returncode != 0:
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return f"exit {done.returncode}: {lines[-1][:200] if lines else ''}"
+    return None
 
 
 def run_gpu(args, configs, cases) -> int:
@@ -294,6 +318,14 @@ def run_gpu(args, configs, cases) -> int:
         working, case_rows = {}, []
         for name, fn in methods.items():
             row = dict(case=case, method=name)
+            if args.check_only and name not in gluon_configs:
+                continue
+            why = isolated_check(args, gluon_configs[name], case) if (
+                name in gluon_configs and not args.check_only) else None
+            if why is not None:
+                row["skipped"] = why
+                case_rows.append(row)
+                continue
             try:
                 if name in gluon_configs:  # into a poisoned output: the kernel must write every element
                     out = attention(q, k, v, *gluon_configs[name], causal=causal,
@@ -310,6 +342,12 @@ def run_gpu(args, configs, cases) -> int:
             except Exception as e:  # a config that fails to compile or launch: say so, go on
                 row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             case_rows.append(row)
+        if args.check_only:
+            for row in case_rows:
+                print(json.dumps(row))
+            if any("skipped" in row for row in case_rows):
+                return 1
+            continue
         times = {name: [] for name in working}
         for order in (list(working), list(reversed(working))):  # A B B A
             for name in order:
@@ -320,6 +358,8 @@ def run_gpu(args, configs, cases) -> int:
                 row["ms"] = times[row["method"]]
                 row["tflops"] = flops / min(row["ms"]) / 1e9
         rows += case_rows
+    if args.check_only:
+        return 0
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                shape=dict(B=b, H=h, S=s, D=d), dtype="bf16")
     Path(args.out).mkdir(parents=True, exist_ok=True)
