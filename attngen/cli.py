@@ -99,13 +99,22 @@ def cmd_registry(args) -> int:
         if args.action == "list":  # the listing says what the warnings would
             warnings.simplefilter("ignore", registry.RegistryWarning)
         reg = registry.Registry.load(paths, gpu)
+    from .families import FAMILIES
+
+    def ignored(entry) -> bool:  # the dispatcher skips it: another revision's kernels, or no such family
+        family = FAMILIES.get(entry.key.kernel)
+        return family is None or entry.revision != family.revision
+
     if args.action == "list":
         for file in files:
             source = next((s for s in reg.sources if s.path == file), None)
             if source is not None:
                 skipped = reg.skipped.get(file)
                 count = len(source.entries)
+                stale = sum(map(ignored, source.entries.values()))
                 status = f"{count} entr{'y' if count == 1 else 'ies'}" + (
+                    f" ({stale} of another kernel revision or family, which the dispatcher ignores)"
+                    if stale else "") + (
                     f" (skipped invalid entries {', '.join(map(str, skipped))}; `attngen registry show` says why)"
                     if skipped else "")
             elif file in reg.unusable:
@@ -114,8 +123,6 @@ def cmd_registry(args) -> int:
                 status = "no file"
             print(f"{file}: {status}")
         return 1 if reg.unusable else 0
-    from .families import FAMILIES
-
     rows = [("source", "variant", "kernel", "revision", "dtype", "D", "bucket", "group", "batch", "config", "ms",
              "TFLOP/s", "SDPA ms", "speedup", "trials", "date")]
     for path, e in reg.entries():
@@ -199,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile_parser.set_defaults(run=cmd_profile)
 
     reg = sub.add_parser("registry", help="show the tuned registry the dispatcher reads",
-                         description="list: the registry files for a GPU in lookup order, each with its entry count, "
-                                     "or why it is unusable (exit status 1 when one is); show: every entry (user "
+                         description="list: the registry files for a GPU in lookup order, each with its entry count "
+                                     "(and how many of them the dispatcher ignores, being of another kernel "
+                                     "revision), or why it is unusable (exit status 1 when one is); show: every entry (user "
                                      "registry first, then the shipped one) with the kernel revision it was tuned "
                                      "on; the dispatcher ignores entries of another revision than its kernels'. A "
                                      "GPU with no registry file at all is an error that names the GPUs that have "

@@ -78,6 +78,9 @@ def test_show_marks_entries_of_another_kernel_revision(user_registry, capsys):
     (line,) = [ln for ln in lines if " bwd2 " in ln]
     assert " 1 (ignored: no kernel family 'bwd2') " in line
     assert sum("ignored" in ln for ln in lines) == 2  # the entries of the current revision are not marked
+    assert cli.main(["registry", "list"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{user_registry}: 4 entries (2 of another kernel revision or family, which the dispatcher ignores)")
 
 
 def test_show_without_entries_says_where_it_looked(tmp_path, monkeypatch, capsys):
