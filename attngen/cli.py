@@ -127,12 +127,11 @@ def cmd_registry(args) -> int:
              "TFLOP/s", "SDPA ms", "speedup", "trials", "date")]
     for path, e in reg.entries():
         config = e.kernel_config()  # as stored: the interpreter runs the tensor-descriptor path too
-        if e.key.kernel not in FAMILIES:
-            revision = f"{e.revision} (ignored: no kernel family {e.key.kernel!r})"
-        elif e.revision != FAMILIES[e.key.kernel].revision:
-            revision = f"{e.revision} (ignored: kernels at {FAMILIES[e.key.kernel].revision})"
-        else:
-            revision = str(e.revision)
+        revision = str(e.revision)
+        if ignored(e):
+            family = FAMILIES.get(e.key.kernel)
+            revision += (f" (ignored: kernels at {family.revision})" if family is not None
+                         else f" (ignored: no kernel family {e.key.kernel!r})")
         rows.append((str(path), e.key.variant, e.key.kernel, revision, e.key.dtype, e.key.head_dim, e.key.seq_bucket,
                      e.key.group, e.key.batch_bucket or "any", str(config), f"{e.ms:.4g}", f"{e.tflops:.4g}",
                      f"{e.sdpa_ms:.4g}" if e.sdpa_ms else "n/a", f"{e.sdpa_ms / e.ms:.2f}x" if e.sdpa_ms else "n/a",
@@ -208,11 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     reg = sub.add_parser("registry", help="show the tuned registry the dispatcher reads",
                          description="list: the registry files for a GPU in lookup order, each with its entry count "
                                      "(and how many of them the dispatcher ignores, being of another kernel "
-                                     "revision), or why it is unusable (exit status 1 when one is); show: every entry (user "
-                                     "registry first, then the shipped one) with the kernel revision it was tuned "
-                                     "on; the dispatcher ignores entries of another revision than its kernels'. A "
-                                     "GPU with no registry file at all is an error that names the GPUs that have "
-                                     "one.")
+                                     "revision), or why it is unusable (exit status 1 when one is); show: every "
+                                     "entry (user registry first, then the shipped one) with the kernel revision it "
+                                     "was tuned on; the dispatcher ignores entries of another revision than its "
+                                     "kernels'. A GPU with no registry file at all is an error that names the GPUs "
+                                     "that have one.")
     reg.add_argument("action", choices=["list", "show"])
     reg.add_argument("--gpu", help="GPU key, e.g. h200 (default: this machine's, or 'interpreter' without CUDA)")
     reg.set_defaults(run=cmd_registry)

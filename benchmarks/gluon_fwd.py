@@ -221,25 +221,15 @@ def attention(q, k, v, block_m: int = 128, block_n: int = 128, stages: int = 2, 
 def compile_sm90(block_m: int, block_n: int, stages: int, num_warps: int, causal: bool, d: int = 128):
     """Compile the kernel for sm_90 on any machine (CPU tensors stand in for the GPU's); returns the
     compiled kernel and (registers, spill bytes, SASS instructions)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    from attngen.tools.cross_compile import usage
+    from attngen.kernels.launch import Launch
+    from attngen.tools.cross_compile import compile_launch, usage
 
     q = torch.empty(1, 2, 4 * block_m, d, dtype=torch.bfloat16)
-    kernel = attention_fwd_gluon
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    bind = create_function_from_signature(kernel.signature, kernel.params, backend)
     args = dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), descriptors(q, q, q, q, block_m, block_n)))
     args.update(seq_len=4 * block_m, qk_scale=0.1, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-                CAUSAL=causal, num_warps=num_warps)  # num_warps: a launch option, read with gl.num_warps()
-    bound, specialization, options = bind(**args)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialization, options)
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
+                CAUSAL=causal)
+    # num_warps: a launch option, which the kernel reads with gl.num_warps()
+    compiled = compile_launch(Launch(attention_fwd_gluon, (1,), args, dict(num_warps=num_warps)))
     return compiled, usage(compiled)
 
 

@@ -41,14 +41,17 @@ import torch  # noqa: E402
 def compile_launch(launch, arch: int = 90, **overrides):
     """Compile `launch` (attngen.kernels.launch.Launch) for CUDA compute capability `arch`; its
     compile options with `overrides` applied, its arguments specialised as Triton's launcher
-    specialises a CUDA launch's (ints and pointers divisible by 16, ints equal to 1). Returns the
-    compiled kernel (metadata: name, shared; asm: ptx, cubin)."""
+    specialises a CUDA launch's (ints and pointers divisible by 16, ints equal to 1). A Gluon
+    kernel compiles from its Gluon source. Returns the compiled kernel (metadata: name, shared; asm:
+    ptx, cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
     kernel = launch.kernel
+    if kernel.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     bind = create_function_from_signature(kernel.signature, kernel.params, backend)
